@@ -1,0 +1,157 @@
+"""Small reference models shared by the benchmarks and the tests (built from code, no weights).
+
+* :class:`GPT` — a GPT-style decoder (pre-LN blocks, causal attention written out or through
+  ``scaled_dot_product_attention``, GELU MLP, dropout), returning logits or a loss.
+* :class:`ResNet` — a ResNet-style CNN with BatchNorm and residual basic blocks.
+* :class:`MLP` — a plain multilayer perceptron.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "ResNet", "MLP", "gpt_batch", "image_batch"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+    dropout: float = 0.0
+    attention: str = "manual"  # "manual" | "sdpa"
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.attention = cfg.attention
+        self.dropout = cfg.dropout
+        mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
+        self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
+            att = self.attn_drop(F.softmax(att, dim=-1))
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model), nn.Dropout(cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-style language model; ``forward(idx, targets=None)`` returns logits or the loss."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.short = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.short(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet-style CNN (BatchNorm, residual basic blocks) for ``(N, 3, H, W)`` images."""
+
+    def __init__(self, width: int = 16, blocks: tuple[int, ...] = (2, 2, 2), num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        layers, c = [], width
+        for stage, n in enumerate(blocks):
+            c_out = width * 2 ** stage
+            for k in range(n):
+                layers.append(BasicBlock(c, c_out, 2 if (k == 0 and stage > 0) else 1))
+                c = c_out
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 64, width: int = 256, depth: int = 4, d_out: int = 10,
+                 activation: type[nn.Module] = nn.GELU) -> None:
+        super().__init__()
+        dims = [d_in] + [width] * depth
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), activation()) for a, b in zip(dims, dims[1:])])
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layers(x))
+
+
+def gpt_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(cfg.vocab_size, (batch, cfg.seq_len), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def image_batch(batch: int, size: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(10, (batch,), generator=g)

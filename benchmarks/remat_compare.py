@@ -1,0 +1,179 @@
+"""Side-by-side: activation peak and step time of remat vs the alternatives, in one run.
+
+    python -m benchmarks.remat_compare --model gpt --budgets 100 70 50 30
+    python -m benchmarks.remat_compare --quick          # a small, fast run
+
+For each method it runs a few training steps (forward + backward) of the same model on the same
+batch and prints the measured peak of bytes allocated by a step (``remat.track_memory``: the CPU
+allocator's own events, or the CUDA allocator) and the median step time, both as ratios to eager
+PyTorch measured in the same run. Methods:
+
+* ``eager``                 — unmodified PyTorch;
+* ``checkpoint(blocks)``    — ``torch.utils.checkpoint`` around every block (non-reentrant);
+* ``compile+amb=B``         — ``torch.compile(backend="aot_eager")`` with
+  ``torch._functorch.config.activation_memory_budget = B`` (PyTorch's own budgeted partitioner);
+* ``remat(B)``              — ``remat.rematerialize(model, batch, budget=B)``.
+
+Gradients of every method are compared with eager's (max abs difference). Not a test: it never
+fails on times; the numbers go in the issue notes.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as ckpt
+
+import remat
+from benchmarks.models import GPT, GPTConfig, ResNet, gpt_batch, image_batch
+
+
+@dataclass
+class Row:
+    method: str
+    peak: int
+    step_s: float
+    grad_diff: float
+    note: str = ""
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn.Module]]:
+    """Model, batch, loss function and the blocks a person would checkpoint."""
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
+                        n_layer=args.layers, n_head=args.heads, dropout=args.dropout,
+                        attention=args.attention)
+        model = GPT(cfg)
+        idx, tgt = gpt_batch(cfg, args.batch)
+        return model, (idx, tgt), lambda out: out, list(model.blocks)
+    model = ResNet(width=args.width, blocks=tuple([args.layers] * 3))
+    x, y = image_batch(args.batch, size=args.image)
+    loss = nn.CrossEntropyLoss()
+    return model, (x,), lambda out: loss(out, y), list(model.layers)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return ckpt.checkpoint(self.block, *args, use_reentrant=False)
+
+
+def with_block_checkpoints(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every block wrapped in ``torch.utils.checkpoint``."""
+    model = copy.deepcopy(model)
+    if isinstance(model, GPT):
+        model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    else:
+        model.layers = nn.Sequential(*(Checkpointed(b) for b in model.layers))
+    return model
+
+
+def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_grads: list | None,
+            steps: int, note: str = "") -> tuple[Row, list]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    run().backward()  # warm-up (compiles / solves)
+    for p in params:
+        p.grad = None
+    gc.collect()
+    torch.manual_seed(1)
+    with remat.track_memory() as mem:
+        run().backward()
+    grads = [p.grad.detach().clone() for p in params]
+    times = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = None
+        start = time.perf_counter()
+        run().backward()
+        times.append(time.perf_counter() - start)
+    diff = 0.0
+    if ref_grads is not None:
+        diff = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
+    return Row(name, mem.peak_bytes, statistics.median(times), diff, note), grads
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--attention", choices=["manual", "sdpa"], default="manual")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--image", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[100, 70, 50, 30])
+    parser.add_argument("--solver", default="hierarchical")
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
+    parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.seq, args.vocab, args.batch = 2, 64, 64, 128, 4
+        args.budgets, args.steps = [100, 50], 3
+
+    model, batch, loss_of, blocks = build(args)
+    torch.manual_seed(1)
+    rows: list[Row] = []
+    eager_row, ref = measure("eager", model, lambda: loss_of(model(*batch)), None, args.steps)
+    rows.append(eager_row)
+
+    ck = with_block_checkpoints(model)
+    row, _ = measure(f"checkpoint({len(blocks)} blocks)", ck,
+                     lambda: loss_of(ck(*batch)), ref, args.steps)
+    rows.append(row)
+
+    for b in args.budgets:
+        frac = b / 100.0
+        if not args.skip_amb:
+            torch._dynamo.reset()
+            m = copy.deepcopy(model)
+            with torch._functorch.config.patch(activation_memory_budget=frac):
+                cm = torch.compile(m, backend="aot_eager", dynamic=False)
+                row, _ = measure(f"compile+amb={frac:g}", m, lambda: loss_of(cm(*batch)), ref, args.steps)
+            rows.append(row)
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        try:
+            rm = remat.rematerialize(m, *batch, budget=f"{b:g}%", solver=args.solver,
+                                     time_limit=args.time_limit)
+        except remat.RematError as e:
+            rows.append(Row(f"remat({b:g}%)", 0, float("nan"), float("nan"), f"error: {e}"[:90]))
+            continue
+        plan = rm.plan
+        note = (f"pred {plan.predicted_peak_bytes / max(plan.baseline_bytes, 1):.3f}x peak, "
+                f"+{100 * plan.predicted_overhead:.0f}% time, solve {plan.solve_time_s:.1f}s "
+                f"({plan.status})")
+        row, _ = measure(f"remat({b:g}%)", m, lambda: loss_of(rm(*batch)), ref, args.steps, note)
+        row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
+        rows.append(row)
+
+    print(f"\nmodel={args.model} layers={args.layers} batch={args.batch} solver={args.solver} "
+          f"torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(f"{'method':<26}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}{'grad diff':>11}  notes")
+    for r in rows:
+        print(f"{r.method:<26}{r.peak / 2**20:>10.2f}{r.peak / eager_row.peak:>12.3f}"
+              f"{r.step_s / eager_row.step_s:>12.3f}{r.grad_diff:>11.2e}  {r.note}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

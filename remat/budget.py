@@ -1,0 +1,135 @@
+"""Memory budgets: what a user may write, and what it means in bytes.
+
+A budget is either a *fraction* of the activation memory the unmodified model needs
+(``"70%"``, ``0.7``) or an absolute number of *bytes* for the activation peak (``"6GiB"``,
+``"512MB"``, ``1_500_000_000``). :func:`parse_budget` turns any accepted spelling into a frozen
+:class:`Budget`; :meth:`Budget.resolve` turns it into bytes once the baseline is known.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+__all__ = ["Budget", "parse_budget", "format_bytes"]
+
+# Decimal and binary units, case-insensitive; "B" alone means bytes.
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}
+_NUMBER_UNIT = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*%\s*$")
+
+_ACCEPTED = (
+    'a percentage in (0%, 100%] such as "70%", a fraction in (0, 1] such as 0.7, '
+    'a byte count with a unit such as "6GiB" or "512MB", or a positive integer number of bytes '
+    "such as 1_500_000_000"
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An activation-memory budget.
+
+    Exactly one of ``fraction`` and ``bytes`` is set.
+
+    Attributes:
+        fraction: Share of the baseline activation peak, in (0, 1].
+        bytes: Absolute activation peak in bytes (> 0).
+        text: The value as the user wrote it, for messages.
+    """
+
+    fraction: float | None = None
+    bytes: int | None = None
+    text: str = ""
+
+    def resolve(self, baseline_bytes: int) -> int:
+        """Return the budget in bytes given the baseline (save-everything) activation peak."""
+        if self.bytes is not None:
+            return self.bytes
+        return int(math.floor(self.fraction * baseline_bytes))
+
+    def __str__(self) -> str:
+        if self.bytes is not None:
+            return format_bytes(self.bytes)
+        return f"{100 * self.fraction:g}%"
+
+
+def _reject(value: object, why: str) -> ValueError:
+    return ValueError(f"budget={value!r}: {why}; pass {_ACCEPTED}")
+
+
+def parse_budget(value: str | float | int | Budget) -> Budget:
+    """Parse a memory budget.
+
+    Args:
+        value: ``"70%"`` / ``0.7`` (fraction of the unmodified model's activation peak),
+            ``"6GiB"`` / ``"512MB"`` / ``"1.5e9B"`` (bytes; SI and binary units), or an ``int``
+            number of bytes (``1_500_000_000``). A :class:`Budget` is returned unchanged.
+
+    Returns:
+        A frozen :class:`Budget`.
+
+    Raises:
+        ValueError: for anything else (``"150%"``, ``"-1GB"``, ``"abc"``, ``0``, ``True``, NaN),
+            naming the value and the accepted forms.
+
+    Example:
+        >>> parse_budget("70%").fraction
+        0.7
+        >>> parse_budget("512MB").bytes
+        512000000
+    """
+    if isinstance(value, Budget):
+        return value
+    if isinstance(value, bool):  # bool is an Integral: refuse it explicitly
+        raise _reject(value, "a bool is not a budget")
+    if isinstance(value, Integral):
+        if value <= 0:
+            raise _reject(value, "a byte budget must be positive")
+        if value == 1:
+            return Budget(fraction=1.0, text=repr(value))
+        return Budget(bytes=int(value), text=repr(value))
+    if isinstance(value, Real):
+        return _fraction(float(value), value)
+    if not isinstance(value, str):
+        raise _reject(value, f"a {type(value).__name__} is not a budget")
+    match = _PERCENT.match(value)
+    if match:
+        return _fraction(float(match.group(1)) / 100.0, value, percent=True)
+    match = _NUMBER_UNIT.match(value)
+    if not match:
+        raise _reject(value, "cannot read this as a percentage, a fraction or a byte count")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit:
+        # A bare number in a string: "0.7" is a fraction, "2000000" bytes, as unquoted.
+        return parse_budget(int(number) if number.is_integer() and number > 1 else number)
+    if unit not in _UNITS:
+        raise _reject(value, f"unknown unit {match.group(2)!r} (known: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    nbytes = number * _UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes < 1:
+        raise _reject(value, "a byte budget must be at least 1 byte")
+    return Budget(bytes=int(nbytes), text=value)
+
+
+def _fraction(fraction: float, original: object, percent: bool = False) -> Budget:
+    if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
+        if percent:
+            raise _reject(original, "a percentage budget must be in (0%, 100%]")
+        raise _reject(original, "a fraction budget must be in (0, 1]")
+    return Budget(fraction=fraction, text=str(original))
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} B" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

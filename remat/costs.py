@@ -1,0 +1,195 @@
+"""Time per op: measured on the real batch, or modelled from FLOPs and bytes.
+
+NOTE [ Measuring op times ]
+We run the joint graph node by node on the real inputs (an FX interpreter), time each node and
+take the median over a few repeats (the first run warms caches and is discarded). Values are
+freed after their last use so profiling needs no more memory than the unmodified step. The run
+happens inside ``torch.random.fork_rng`` and under ``no_grad``, never writes to an input, and
+returns nothing, so it changes no user state (parameters, buffers, RNG streams).
+When real inputs are not available we fall back to a roofline model: FLOPs from
+``torch.utils.flop_counter``'s formulas over the fake-tensor shapes, and bytes read + written.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from .lowering import Lowered
+
+__all__ = ["measure_op_times", "model_op_times"]
+
+log = logging.getLogger(__name__)
+
+# Roofline constants for the modelled fallback (a laptop-class CPU core pair). Only the ratios
+# between ops matter to the solvers; absolute times only scale `predicted_overhead`'s seconds.
+_FLOPS_PER_S = 5.0e10
+_BYTES_PER_S = 1.0e10
+_OP_OVERHEAD_S = 5.0e-6
+
+
+def _materialize(val: object) -> object:
+    if isinstance(val, torch.Tensor):
+        return torch.ones(val.shape, dtype=val.dtype, device=val.device) if val.is_floating_point() \
+            else torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+    return val
+
+
+def measure_op_times(
+    lowered: Lowered, joint: fx.GraphModule, primals: Sequence[torch.Tensor], *, repeats: int = 3
+) -> tuple[list[float], list[int]]:
+    """Median wall time and scratch memory of every op of ``lowered.graph`` on the real inputs.
+
+    Args:
+        lowered: The lowered joint graph.
+        joint: The joint graph module.
+        primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
+        repeats: Timed runs; the median is kept. A first, untimed run under the memory profiler
+            warms caches and measures each op's workspace (bytes it allocates beyond its
+            outputs, freed before it returns: see NOTE [ Measuring memory on CPU ]).
+
+    Returns:
+        ``(seconds per op, workspace bytes per op)``, indexed like ``lowered.graph.ops``.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    nodes = list(joint.graph.nodes)
+    primal_nodes = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    if len(primal_nodes) != len(primals):
+        raise ValueError(f"expected {len(primal_nodes)} primal tensors, got {len(primals)}")
+    primal_index = {n: k for k, n in enumerate(primal_nodes)}
+    last_use: dict[fx.Node, int] = {}
+    for index, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = index
+    op_index = {node: i for i, node in enumerate(lowered.op_nodes)}
+    samples: list[list[float]] = [[] for _ in lowered.op_nodes]
+    workspaces = [0] * len(lowered.op_nodes)
+
+    def run_graph(on_node) -> None:
+        env: dict[fx.Node, object] = {}
+        for index, node in enumerate(nodes):
+            if node.op == "placeholder":
+                env[node] = primals[primal_index[node]] if node in primal_index \
+                    else _materialize(node.meta.get("val"))
+            elif node.op == "get_attr":
+                env[node] = getattr(joint, str(node.target))
+            elif node.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = on_node(node, args, kwargs)
+            for arg in node.all_input_nodes:
+                if last_use.get(arg) == index and arg.op != "placeholder":
+                    env.pop(arg, None)
+
+    with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        sync = _sync_for(primals)
+        if any(t.device.type == "cuda" for t in primals if isinstance(t, torch.Tensor)):
+            run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
+        else:
+            names = {node.name: i for node, i in op_index.items()}
+            workspaces = _cpu_workspaces(run_graph, names, len(workspaces))
+
+        def timed(node, args, kwargs):
+            start = time.perf_counter()
+            out = node.target(*args, **kwargs)
+            sync()
+            if node in op_index:
+                samples[op_index[node]].append(time.perf_counter() - start)
+            return out
+
+        for _ in range(repeats):
+            run_graph(timed)
+    return [statistics.median(s) if s else 0.0 for s in samples], workspaces
+
+
+def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:
+    """Run the graph once under the memory profiler; per op, the peak of bytes it allocated
+    above what it returns (freed scratch), from the allocator events inside its time window."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .memory import _cpu_allocation_events
+
+    # Each op runs inside a named record_function scope; its allocation events are those whose
+    # timestamps fall inside the scope's window (both on the profiler's clock).
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_graph(_scoped)
+    windows = _record_windows(prof)
+    events = _cpu_allocation_events(prof)
+    result = [0] * count
+    cursor = 0
+    for name, begin, end in windows:
+        node_op = op_index.get(name)
+        live: dict[int, int] = {}
+        current = peak = 0
+        while cursor < len(events) and events[cursor][0] < begin:
+            cursor += 1
+        k = cursor
+        while k < len(events) and events[k][0] <= end:
+            _, ptr, size = events[k]
+            if size > 0:
+                live[ptr] = size
+                current += size
+                peak = max(peak, current)
+            elif ptr in live:
+                current -= live.pop(ptr)
+            k += 1
+        if node_op is not None:
+            result[node_op] = max(0, peak - current)
+    return result
+
+
+_SCOPE = "remat::"
+
+
+def _scoped(node: fx.Node, args, kwargs):
+    with torch.profiler.record_function(_SCOPE + node.name):
+        return node.target(*args, **kwargs)
+
+
+def _record_windows(prof) -> list[tuple[object, int, int]]:
+    results = prof.profiler.kineto_results
+    windows = []
+    stack = list(results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.name.startswith(_SCOPE):
+            windows.append((node.name[len(_SCOPE):], node.start_time_ns, node.end_time_ns))
+    windows.sort(key=lambda w: w[1])
+    return windows
+
+
+def _sync_for(tensors: Sequence[torch.Tensor]):
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    if devices:
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def model_op_times(lowered: Lowered) -> list[float]:
+    """Roofline estimate of every op's time from fake-tensor shapes (no execution)."""
+    from torch.utils.flop_counter import flop_registry
+
+    times = []
+    for node in lowered.op_nodes:
+        flops = 0
+        target = getattr(node.target, "overloadpacket", None)
+        formula = flop_registry.get(target)
+        if formula is not None:
+            try:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+                out = node.meta.get("val")
+                flops = formula(*args, **kwargs, out_val=out)
+            except Exception:  # noqa: BLE001 - a formula that cannot read fake args: bytes only
+                log.debug("no FLOP count for %s", node.name)
+        nbytes = 0
+        for n in [*node.all_input_nodes, node]:
+            val = n.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            nbytes += sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+        times.append(max(flops / _FLOPS_PER_S, nbytes / _BYTES_PER_S) + _OP_OVERHEAD_S)
+    return times

@@ -1,0 +1,83 @@
+"""``estimate``: how much memory a training step needs, and how low remat could take it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from .budget import format_bytes
+
+__all__ = ["MemoryReport", "estimate"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory of one training step of a module on an example batch.
+
+    Attributes:
+        parameter_bytes: Parameters and buffers (exist before the step).
+        gradient_bytes: Gradients of the trainable parameters (produced by the step; part of
+            the activation peak).
+        activation_peak_bytes: Peak of everything the unmodified (compiled, save-everything) step
+            allocates: saved activations, temporaries, outputs, gradients. Budget fractions
+            refer to this number.
+        lowest_peak_bytes: No schedule can go below this peak: the lowest budget the graph
+            allows (in bytes).
+        num_ops: Ops in the joint forward+backward graph.
+    """
+
+    parameter_bytes: int
+    gradient_bytes: int
+    activation_peak_bytes: int
+    lowest_peak_bytes: int
+    num_ops: int
+
+    @property
+    def lowest_budget_fraction(self) -> float:
+        return self.lowest_peak_bytes / max(self.activation_peak_bytes, 1)
+
+    def summary(self) -> str:
+        rows = [
+            ("parameters + buffers", format_bytes(self.parameter_bytes)),
+            ("parameter gradients", format_bytes(self.gradient_bytes)),
+            ("activation peak (step)", format_bytes(self.activation_peak_bytes)),
+            ("lowest possible peak", f"{format_bytes(self.lowest_peak_bytes)} "
+                                     f"({100 * self.lowest_budget_fraction:.0f}% of the step)"),
+            ("joint graph ops", str(self.num_ops)),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> MemoryReport:
+    """Report the memory of one training step without training (and without changing state).
+
+    Captures and profiles the step exactly like :func:`remat.rematerialize` (so capture errors
+    are the same), but solves nothing.
+
+    Args:
+        module: The network, in the mode it will train in.
+        *example_args: A real example batch.
+        **example_kwargs: Keyword arguments of the example call.
+
+    Returns:
+        A :class:`MemoryReport`; ``print(report.summary())`` for a table.
+
+    Example:
+        >>> print(remat.estimate(model, batch).summary())
+    """
+    from .module import rematerialize
+
+    rm = rematerialize(module, *example_args, budget="100%", solver="none", **example_kwargs)
+    plan = rm.plan
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    params += sum(b.numel() * b.element_size() for b in module.buffers())
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return MemoryReport(
+        parameter_bytes=params,
+        gradient_bytes=grads,
+        activation_peak_bytes=plan.baseline_bytes,
+        lowest_peak_bytes=plan.lower_bound_bytes,
+        num_ops=plan.num_ops,
+    )

@@ -1,0 +1,257 @@
+"""Translate an AOTAutograd joint graph (``torch.fx``) into a plain-data :class:`RematGraph`.
+
+The :class:`Lowered` result keeps the links back to fx nodes for code generation; solvers get
+only ``lowered.graph``.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .errors import CaptureError
+from .graph import Op, Phase, RematGraph, Value, ValueKind
+
+__all__ = ["Lowered", "lower_joint_graph", "module_path"]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A joint graph and its plain-data view.
+
+    Attributes:
+        graph: The :class:`RematGraph` solvers work on.
+        op_nodes: fx node of each op.
+        value_nodes: fx node of each value (the op node itself, a ``getitem`` or a placeholder).
+        num_fwd_outputs: How many entries of the joint output belong to forward.
+    """
+
+    graph: RematGraph
+    op_nodes: tuple[fx.Node, ...]
+    value_nodes: tuple[fx.Node, ...]
+    num_fwd_outputs: int
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(qualified: str) -> str:
+    """Normalise a dynamo module path: ``"L['self'].layers[0].attn"`` -> ``"layers.0.attn"``."""
+    path = _ROOT.sub("", qualified)
+    path = _INDEX.sub(r".\1", path).replace("._modules.", ".").replace("_modules.", "")
+    return path.strip(".")
+
+
+def _node_module(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    qualified = list(stack.values())[-1][0]
+    return module_path(str(qualified))
+
+
+def _is_tensor(val: object) -> bool:
+    return isinstance(val, torch.Tensor)
+
+
+def _storage_nbytes(val: torch.Tensor) -> int:
+    try:
+        return int(val.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - some fake/subclass tensors have no storage
+        return int(val.numel() * val.element_size())
+
+
+def _alias_sources(node: fx.Node) -> tuple[int | None, bool]:
+    """(index of the argument the output aliases, whether list elements alias it)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None, False
+    returns = schema.returns
+    for index, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or info.is_write:
+            continue
+        if "*" in info.after_set:
+            return index, True
+        for ret in returns:
+            if ret.alias_info is not None and ret.alias_info.before_set & info.before_set:
+                return index, False
+    return None, False
+
+
+def _is_recomputable(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+        schema = target._schema
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return False
+        if schema.is_mutable:
+            return False
+        return True
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return False
+    return not node.is_impure()
+
+
+def _signature(node: fx.Node) -> str:
+    def describe(a: object) -> str:
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if _is_tensor(val):
+                return f"T{tuple(val.shape)}{str(val.dtype)[6:]}"
+            return "N"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(describe(x) for x in a) + "]"
+        return repr(a)
+
+    args = ",".join(describe(a) for a in node.args)
+    kwargs = ",".join(f"{k}={describe(v)}" for k, v in sorted(node.kwargs.items()))
+    return f"{node.target}({args};{kwargs})"
+
+
+def _output_descs(joint: fx.GraphModule) -> list[object]:
+    out = next(iter(reversed(joint.graph.nodes)))
+    return list(out.meta.get("desc") or [])
+
+
+def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered:
+    """Build the plain-data graph of an AOTAutograd joint forward+backward graph.
+
+    Args:
+        joint: The joint graph handed to a partition function.
+        num_fwd_outputs: Number of leading outputs that belong to forward.
+
+    Returns:
+        The :class:`Lowered` graph.
+
+    Raises:
+        CaptureError: for graph features remat cannot schedule (unknown placeholders).
+    """
+    nodes = list(joint.graph.nodes)
+    output_node = nodes[-1]
+    value_of: dict[fx.Node, int] = {}
+    values: list[Value] = []
+    value_nodes: list[fx.Node] = []
+
+    def add_value(node: fx.Node, kind: ValueKind, producer: int, nbytes: int, alias: int | None) -> int:
+        value_of[node] = len(values)
+        values.append(Value(node.name, kind, producer, nbytes, alias))
+        value_nodes.append(node)
+        return value_of[node]
+
+    backward_nodes: set[fx.Node] = set()
+    op_candidates: list[fx.Node] = []
+    for node in nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                add_value(node, ValueKind.TANGENT, -1, _storage_nbytes(node.meta["val"]), None)
+                backward_nodes.add(node)
+            elif node.name.startswith("primals"):
+                add_value(node, ValueKind.INPUT, -1, 0, None)
+            else:
+                raise CaptureError(
+                    f"the joint graph has an input {node.name!r} remat cannot schedule "
+                    "(RNG seed/offset or backward-state inputs). Use torch.compile's default "
+                    "partitioner for this model, or report the model.",
+                    reason="unsupported_op",
+                )
+        elif node.op == "get_attr":
+            add_value(node, ValueKind.INPUT, -1, 0, None)
+        elif node.op == "call_function":
+            if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and not _is_tensor(
+                node.args[0].meta.get("val")
+            ):
+                continue  # an output of a multi-output op: handled with its parent
+            depends_on_backward = any(a in backward_nodes for a in node.all_input_nodes)
+            tag = node.meta.get("partitioner_tag")
+            if depends_on_backward or tag == "is_backward":
+                backward_nodes.add(node)
+            op_candidates.append(node)
+
+    forward = [n for n in op_candidates if n not in backward_nodes]
+    backward = [n for n in op_candidates if n in backward_nodes]
+    ops: list[Op] = []
+    op_nodes: list[fx.Node] = []
+    pending: list[tuple[int, fx.Node, list[fx.Node], Phase]] = []
+    for index, node in enumerate(forward + backward):
+        phase = Phase.FORWARD if index < len(forward) else Phase.BACKWARD
+        val = node.meta.get("val")
+        alias_arg, list_alias = _alias_sources(node)
+        alias_input = None
+        if alias_arg is not None:
+            arg = node.args[alias_arg] if alias_arg < len(node.args) else None
+            alias_input = arg if isinstance(arg, fx.Node) else None
+        produced: list[fx.Node]
+        if isinstance(val, (tuple, list)):
+            produced = [u for u in node.users if u.target is operator.getitem]
+            produced.sort(key=lambda u: u.args[1])
+        else:
+            produced = [node]
+        kind = ValueKind.ACTIVATION if phase is Phase.FORWARD else ValueKind.GRADIENT
+        for out in produced:
+            out_val = out.meta.get("val")
+            aliased = alias_input is not None and (list_alias or out is node)
+            if aliased and alias_input in value_of:
+                add_value(out, kind, len(ops), 0, value_of[alias_input])
+            else:
+                nbytes = _storage_nbytes(out_val) if _is_tensor(out_val) else 0
+                add_value(out, kind, len(ops), nbytes, None)
+        transient = 0  # outputs nobody reads are allocated and freed inside the op
+        if isinstance(val, (tuple, list)):
+            used = {u.args[1] for u in produced}
+            transient = sum(_storage_nbytes(t) for k, t in enumerate(val)
+                            if k not in used and _is_tensor(t))
+        pending.append((len(ops), node, produced, phase, transient))
+        ops.append(None)  # type: ignore[arg-type]  # filled below once inputs are known
+        op_nodes.append(node)
+
+    for index, node, produced, phase, transient in pending:
+        inputs: list[int] = []
+        for arg in node.all_input_nodes:
+            v = value_of.get(arg)
+            if v is None:
+                raise CaptureError(
+                    f"op {node.name!r} reads {arg.name!r}, which is not a tensor value remat "
+                    "can track (symbolic or opaque values). Call rematerialize with static "
+                    "shapes, or report the model.",
+                    reason="unsupported_op",
+                )
+            if v not in inputs:
+                inputs.append(v)
+        ops[index] = Op(
+            name=node.name,
+            phase=phase,
+            inputs=tuple(inputs),
+            outputs=tuple(value_of[p] for p in produced),
+            recomputable=_is_recomputable(node),
+            module=_node_module(node),
+            signature=_signature(node),
+            workspace=transient,
+        )
+
+    joint_outputs = list(output_node.args[0])
+    descs = _output_descs(joint)
+    fwd_out = [o for o in joint_outputs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    user_out: list[int] = []
+    for position, o in enumerate(joint_outputs[:num_fwd_outputs]):
+        if not isinstance(o, fx.Node):
+            continue
+        desc = type(descs[position]).__name__ if position < len(descs) else ""
+        if "InputMutation" not in desc:
+            user_out.append(value_of[o])
+    bwd_out = [o for o in joint_outputs[num_fwd_outputs:] if isinstance(o, fx.Node)]
+    graph = RematGraph(
+        ops=tuple(ops),
+        values=tuple(values),
+        num_forward=len(forward),
+        forward_outputs=tuple(dict.fromkeys(value_of[o] for o in fwd_out)),
+        backward_outputs=tuple(dict.fromkeys(value_of[o] for o in bwd_out)),
+        user_outputs=tuple(dict.fromkeys(user_out)),
+    )
+    return Lowered(graph, tuple(op_nodes), tuple(value_nodes), num_fwd_outputs)

@@ -1,0 +1,198 @@
+"""``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
+
+NOTE [ Sharing the original's state ]
+``RematModule`` registers the *same* child modules, parameters and buffers as the module it
+replaces (the dict entries are copied, the objects are shared), so ``state_dict`` keys are
+identical, an optimizer created before the swap keeps training the same ``Parameter`` objects,
+and ``load_state_dict`` into either module updates both. The original module is kept (not
+registered) to be compiled and to serve calls that need no backward (``no_grad``/inference).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from .dynamo_backend import DEFAULT_SOLVER, RematBackend
+from .budget import Budget
+from .errors import CaptureError, RematError
+from .plan import Plan
+
+__all__ = ["RematModule", "rematerialize"]
+
+
+@contextlib.contextmanager
+def _preserve_state(module: nn.Module) -> Iterator[None]:
+    """Run code without changing the module's buffers or any RNG stream."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = sorted({b.device.index for b, _ in buffers if b.device.type == "cuda"} |
+                     {p.device.index for p in module.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, snapshot in buffers:
+                    buf.copy_(snapshot)
+
+
+def _capture_error(exc: BaseException) -> RematError:
+    """Turn a dynamo failure into a :class:`CaptureError` that says what to do."""
+    import torch._dynamo.exc as dynamo_exc
+
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, RematError):
+        return inner
+    cause = inner if inner is not None else exc
+    text = [line for line in str(cause).strip().splitlines() if line.strip()]
+    first = text[0] if text else ""
+    if isinstance(exc, dynamo_exc.Unsupported):
+        lowered = str(exc).lower()
+        reason = "data_dependent" if "data-dependent" in lowered or "data dependent" in lowered \
+            else "graph_break"
+        tip = ("make the control flow independent of tensor values (or move it outside the "
+               "module), or use torch.compile(model, backend=remat.backend(...)) which "
+               "rematerializes each graph between breaks") if reason == "data_dependent" else (
+            "remove the graph break (see the message above; `torch._dynamo.explain(model)(*args)` "
+            "lists all of them), or use torch.compile(model, backend=remat.backend(...)) which "
+            "rematerializes each graph between breaks")
+        return CaptureError(f"cannot capture the model as one graph: {first}. Fix: {tip}.",
+                            reason=reason)
+    return CaptureError(f"cannot capture the model: {type(cause).__name__}: {first}. If the model "
+                        "runs eagerly, please report it.", reason="other")
+
+
+class RematModule(nn.Module):
+    """An ``nn.Module`` equivalent to the one it wraps, with a rematerialized backward.
+
+    Calls with gradients enabled run the compiled schedule (recompiled and re-solved for new
+    input shapes or train/eval mode); calls without gradients run the original module.
+    See NOTE [ Sharing the original's state ].
+
+    Attributes:
+        plan: The :class:`Plan` solved for the example inputs.
+        plans: Every plan solved so far (one per input shape / mode seen).
+    """
+
+    def __init__(self, module: nn.Module, backend: RematBackend) -> None:
+        super().__init__()
+        self._modules.update(module._modules)
+        self._parameters.update(module._parameters)
+        self._buffers.update(module._buffers)
+        self._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+        self.training = module.training
+        object.__setattr__(self, "_remat_original", module)
+        object.__setattr__(self, "_remat_backend", backend)
+        compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
+        object.__setattr__(self, "_remat_compiled", compiled)
+
+    @property
+    def original(self) -> nn.Module:
+        """The module this one replaces (sharing its parameters and buffers)."""
+        return self._remat_original
+
+    @property
+    def plans(self) -> list[Plan]:
+        return list(self._remat_backend.plans)
+
+    @property
+    def plan(self) -> Plan:
+        plans = self._remat_backend.plans
+        if not plans:
+            raise RuntimeError("no plan yet: call the module once with gradients enabled")
+        return plans[0]
+
+    def train(self, mode: bool = True) -> "RematModule":
+        super().train(mode)
+        self._remat_original.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self._remat_original(*args, **kwargs)
+        try:
+            return self._remat_compiled(*args, **kwargs)
+        except RematError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
+            raise _capture_error(exc) from exc
+
+    def capture(self, *args: Any, **kwargs: Any) -> Plan:
+        """Compile and solve for these inputs without changing any state (buffers, RNG)."""
+        before = len(self._remat_backend.plans)
+        with _preserve_state(self._remat_original), torch.enable_grad():
+            out = self.forward(*args, **kwargs)
+        del out
+        if len(self._remat_backend.plans) == before and not self._remat_backend.plans:
+            raise CaptureError(
+                "nothing to rematerialize: no parameter or input of the example call requires "
+                "grad, so there is no backward. Call rematerialize on a module in training "
+                "with parameters that require grad.",
+                reason="no_grad",
+            )
+        return self._remat_backend.plans[-1]
+
+    def extra_repr(self) -> str:
+        b = self._remat_backend
+        return f"budget={b.budget}, solver={b.solver!r}"
+
+
+def rematerialize(
+    module: nn.Module,
+    *example_args: Any,
+    budget: str | float | int | Budget = "70%",
+    solver: str = DEFAULT_SOLVER,
+    time_limit: float = 60.0,
+    measure: bool = True,
+    options: dict | None = None,
+    **example_kwargs: Any,
+) -> RematModule:
+    """Return an equivalent module whose training step keeps activation memory under ``budget``.
+
+    The module is captured on the example inputs as one joint forward+backward graph
+    (dynamo + AOTAutograd), each op is timed on them, a schedule that fits the budget with the
+    least recomputation is solved, and the result is compiled. Gradients are exactly the
+    original module's (random ops are never re-drawn; BatchNorm statistics are updated once).
+    Papers: Rockmate (Zhao et al., ICML 2023), HiRemate (Gusak et al., ICML 2025), Checkmate
+    (Jain et al., MLSys 2020).
+
+    Args:
+        module: The network to wrap (an ``nn.Module`` in the mode it will train in).
+        *example_args: A real example batch, as positional arguments of ``module``.
+        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified step's activation
+            peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
+        solver: One of ``remat.SOLVERS``.
+        time_limit: Seconds the solver may spend; the best schedule found by then is used.
+        measure: Time ops on the example (default) or model them from FLOPs and bytes.
+        options: Solver-specific options.
+        **example_kwargs: Keyword arguments of the example call.
+
+    Returns:
+        A :class:`RematModule` sharing ``module``'s parameters and buffers; ``.plan`` says what
+        was decided.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+        ValueError: for a malformed budget, solver name or time limit.
+        CaptureError: if the model cannot be captured as one graph (graph break, data-dependent
+            control flow, unsupported op) — the message names the reason and the workaround.
+        InfeasibleBudgetError: if no schedule fits the budget (it gives the lowest feasible peak).
+
+    Example:
+        >>> net = remat.rematerialize(net, x, budget="50%")
+        >>> net(x).sum().backward()      # same gradients, smaller activation peak
+        >>> print(net.plan.summary())
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"rematerialize(module=...): expected an nn.Module, got "
+                        f"{type(module).__name__}; pass the network itself, e.g. "
+                        "rematerialize(model, batch)")
+    if isinstance(module, RematModule):
+        raise TypeError("rematerialize(module=...): this module is already a RematModule; pass "
+                        "its .original to solve again with other settings")
+    rm = RematModule(module, RematBackend(budget, solver=solver, time_limit=time_limit,
+                                          measure=measure, options=options))
+    rm.capture(*example_args, **example_kwargs)
+    return rm

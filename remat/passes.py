@@ -1,0 +1,84 @@
+"""Joint-graph rewrites applied before scheduling.
+
+NOTE [ Dropout: save the mask, recompute the product ]
+A random op can never be recomputed (its numbers would change), so whatever backward needs from
+it must be saved. ``native_dropout(x, p, train)`` returns ``(x * mask * scale, mask)``; saving the
+float output costs 4 bytes per element, the bool mask 1. We rewrite the readers of the output to
+read ``mul(mul(x, mask), scale)`` instead: the random op still runs once in forward (same random
+stream as eager), and the product becomes an ordinary recomputable op. This is bit-exact only if
+it reproduces the kernel's own arithmetic, so for each (device, dtype, p) we check it once on a
+probe tensor and leave the op alone where it does not hold (e.g. half precision on CPU, whose
+kernel rounds differently).
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = ["split_dropout"]
+
+aten = torch.ops.aten
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout_product_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
+    """Whether ``x * mask * (1 / (1 - p))`` equals ``native_dropout``'s output bit for bit."""
+    if not 0.0 <= p < 1.0:
+        return False
+    gen_state = torch.random.get_rng_state()
+    try:
+        x = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+        out, mask = aten.native_dropout(x, p, True)
+        remade = aten.mul.Scalar(aten.mul.Tensor(x, mask), 1.0 / (1.0 - p))
+        return bool(torch.equal(out, remade))
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def split_dropout(joint: fx.GraphModule) -> int:
+    """Apply NOTE [ Dropout: save the mask, recompute the product ] in place.
+
+    Returns:
+        How many dropout ops were rewritten.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    graph = joint.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_dropout.default:
+            continue
+        x, p = node.args[0], float(node.args[1])
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if train is False or not isinstance(val, torch.Tensor):
+            continue
+        with unset_fake_temporarily():
+            if not _dropout_product_is_exact(val.device.type, val.dtype, p):
+                continue
+        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        out, mask = outs.get(0), outs.get(1)
+        if out is None or not out.users:
+            continue
+        if mask is None:
+            with graph.inserting_after(node):
+                mask = graph.call_function(operator.getitem, (node, 1))
+                mask.meta = dict(node.meta)
+                mask.meta["val"] = node.meta["val"][1]
+        with graph.inserting_after(max(out, mask, key=lambda n: list(graph.nodes).index(n))):
+            kept = graph.call_function(aten.mul.Tensor, (x, mask))
+        with graph.inserting_after(kept):
+            product = graph.call_function(aten.mul.Scalar, (kept, 1.0 / (1.0 - p)))
+        for new in (kept, product):
+            new.meta = {k: v for k, v in out.meta.items() if k != "val"}
+            new.meta["val"] = out.meta["val"]
+        out.replace_all_uses_with(product)
+        graph.erase_node(out)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        joint.recompile()
+    return rewritten

@@ -1,0 +1,75 @@
+"""``Plan``: what remat decided for one captured graph, in numbers a person can read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .budget import format_bytes
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The solved schedule of one captured graph, and its predicted cost.
+
+    All byte counts are *activation* bytes of one training step: everything the step allocates
+    (saved activations, temporaries, model outputs, incoming output gradients and the parameter
+    gradients it produces), excluding parameters, buffers and inputs that exist before it.
+
+    Attributes:
+        baseline_bytes: Predicted peak of the unmodified step (every activation saved).
+        budget_bytes: The budget in bytes.
+        predicted_peak_bytes: Simulated peak of the chosen schedule.
+        predicted_overhead: Extra compute as a fraction of the unmodified step's time
+            (``0.12`` = 12% more time).
+        solver: Solver name.
+        status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``.
+        solve_time_s: Seconds spent solving.
+        lower_bound_bytes: No schedule can have a lower peak than this.
+        baseline_time_s: Measured (or modelled) time of the unmodified step.
+        saved_bytes: Bytes kept from forward to backward by the schedule.
+        num_ops: Ops in the joint graph.
+        num_recomputed: Op executions added by recomputation.
+        cache_hit: Whether the schedule came from the on-disk plan cache.
+        detail: The solver's own notes.
+    """
+
+    baseline_bytes: int
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_overhead: float
+    solver: str
+    status: str
+    solve_time_s: float
+    lower_bound_bytes: int = 0
+    baseline_time_s: float = 0.0
+    saved_bytes: int = 0
+    num_ops: int = 0
+    num_recomputed: int = 0
+    cache_hit: bool = False
+    detail: str = ""
+
+    @property
+    def predicted_ratio(self) -> float:
+        """Predicted peak as a fraction of the baseline peak."""
+        return self.predicted_peak_bytes / max(self.baseline_bytes, 1)
+
+    def summary(self) -> str:
+        """A small table for logs."""
+        rows = [
+            ("solver", f"{self.solver} ({self.status})" + (" [cache hit]" if self.cache_hit else "")),
+            ("baseline activation peak", format_bytes(self.baseline_bytes)),
+            ("budget", format_bytes(self.budget_bytes)),
+            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} "
+                               f"({100 * self.predicted_ratio:.1f}% of baseline)"),
+            ("lowest possible peak", format_bytes(self.lower_bound_bytes)),
+            ("predicted overhead", f"+{100 * self.predicted_overhead:.1f}% step time"),
+            ("saved for backward", format_bytes(self.saved_bytes)),
+            ("ops / recomputed", f"{self.num_ops} / {self.num_recomputed}"),
+            ("solve time", f"{self.solve_time_s:.2f} s"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        if self.detail:
+            lines.append(f"{'notes':<{width}}  {self.detail}")
+        return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""Shared test fixtures: every test starts from the same global state and leaves it as found."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_torch_state():
+    """Restore seed, default dtype, deterministic flags and dynamo caches around every test."""
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    grad_enabled = torch.is_grad_enabled()
+    rng = torch.get_rng_state()
+    py_rng = random.getstate()
+    torch.manual_seed(0)
+    random.seed(0)
+    yield
+    torch.set_default_dtype(dtype)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_grad_enabled(grad_enabled)
+    torch.set_rng_state(rng)
+    random.setstate(py_rng)
+    torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests with a reason when no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
