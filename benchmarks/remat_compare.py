@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--image", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budgets", type=float, nargs="+", default=[100, 70, 50, 30])
-    parser.add_argument("--solver", default="hierarchical")
+    parser.add_argument("--solver", default=remat.DEFAULT_SOLVER)
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")

@@ -12,7 +12,7 @@ et al., MLSys 2020), Rotor (Beaumont et al., 2019).
 """
 from __future__ import annotations
 
-from .dynamo_backend import RematBackend, backend
+from .dynamo_backend import DEFAULT_SOLVER, RematBackend, backend
 from .budget import Budget, format_bytes, parse_budget
 from .estimate import MemoryReport, estimate
 from .errors import CaptureError, InfeasibleBudgetError, RematError, ScheduleError, SolverError
@@ -25,6 +25,7 @@ from .solvers import SOLVERS
 
 __all__ = [
     "Budget",
+    "DEFAULT_SOLVER",
     "CaptureError",
     "InfeasibleBudgetError",
     "MemoryReport",
