@@ -2,11 +2,11 @@
 
 NOTE [ Code generation ]
 AOTAutograd's runtime expects a fixed interface: the forward returns the forward outputs
-followed by the saved values (in its own order), and the backward takes the saved values and the
-tangents and returns one gradient per input. We let PyTorch's own
-``_extract_fwd_bwd_modules`` build that interface from our saved set (so its ordering
-conventions stay PyTorch's), keep only its placeholders and outputs, and emit the bodies
-ourselves in schedule order. Every recomputation is a fresh copy of the forward node placed
+followed by the saved values, and the backward takes the saved values and the tangents and
+returns one gradient per input (:func:`_interface`). We build it ourselves rather than through
+PyTorch's ``_extract_fwd_bwd_modules``, which drops any saved value its own backward would not
+read: ours may drop a saved value and recompute it later, so it reads inputs PyTorch's would not.
+The bodies are emitted in schedule order. Every recomputation is a fresh copy of the forward node placed
 right before its first use (PyTorch's extractor hoists recomputations to the top of the
 backward, which keeps them alive far too long); later readers bind to the newest copy, and FX
 frees each value after its last use, so the generated graphs allocate exactly what
@@ -19,7 +19,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from .errors import internal_assert
 from .graph import ValueKind
@@ -62,20 +61,50 @@ def _copy_op(
         env[out] = new_graph.node_copy(out, lambda n: env[n])
 
 
-def _placeholders(new_graph: fx.Graph, template: fx.GraphModule, by_name: dict[str, fx.Node],
-                  env: dict[fx.Node, fx.Node]) -> None:
-    for ph in template.graph.find_nodes(op="placeholder"):
-        new = new_graph.placeholder(ph.name)
-        new.meta = ph.meta
-        env[by_name[ph.name]] = new
+def _interface(joint: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int):
+    """AOTAutograd's calling convention for the two graphs.
+
+    Forward: ``(primals...) -> (forward outputs..., saved...)``; backward:
+    ``(saved..., tangents...) -> (gradients...)``. Saved tensors that skip autograd's version
+    check go last (PyTorch's convention, so the runtime slices them correctly).
+    """
+    from torch._functorch._aot_autograd.descriptors import (
+        SavedForBackwardsAOTOutput,
+        SavedForBackwardsNoVcCheckAOTOutput,
+    )
+    from torch._functorch.partitioners import _extract_fwd_bwd_outputs
+
+    fwd_out, bwd_out, fwd_descs, bwd_descs = _extract_fwd_bwd_outputs(
+        joint, num_fwd_outputs=num_fwd_outputs)
+    checked = [n for n in saved if not n.meta.get("saved_tensor_with_no_vc_check", False)]
+    unchecked = [n for n in saved if n.meta.get("saved_tensor_with_no_vc_check", False)]
+    saved = checked + unchecked
+    saved_descs = [SavedForBackwardsAOTOutput(i) if i < len(checked)
+                   else SavedForBackwardsNoVcCheckAOTOutput(i) for i in range(len(saved))]
+    placeholders = joint.graph.find_nodes(op="placeholder")
+    primals = [n for n in placeholders if not n.name.startswith("tangents")]
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    return (primals, list(fwd_out) + saved, list(fwd_descs) + saved_descs,
+            saved + tangents, list(bwd_out), list(bwd_descs))
 
 
-def _output(new_graph: fx.Graph, template: fx.GraphModule, by_name: dict[str, fx.Node],
-            env: dict[fx.Node, fx.Node]) -> None:
-    out = template.graph.find_nodes(op="output")[0]
-    args = fx.map_arg(out.args, lambda n: env[by_name[n.name]])
-    new_out = new_graph.output(args[0])
-    new_out.meta = dict(out.meta)
+def _emit(inputs: list[fx.Node], ops: tuple[int, ...], outputs: list, descs: list,
+          lowered: Lowered) -> fx.Graph:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        new = graph.placeholder(node.name)
+        new.meta = node.meta
+        env[node] = new
+    for node in lowered.value_nodes:
+        if node.op == "get_attr":
+            env[node] = graph.node_copy(node)
+    for i in ops:
+        _copy_op(graph, lowered, i, env)
+    out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    out.meta["desc"] = descs
+    graph.lint()
+    return graph
 
 
 def generate_modules(lowered: Lowered, schedule: Schedule, joint: fx.GraphModule
@@ -90,35 +119,12 @@ def generate_modules(lowered: Lowered, schedule: Schedule, joint: fx.GraphModule
     Returns:
         ``(forward, backward)`` graph modules with AOTAutograd's calling convention.
     """
-    by_name = {n.name: n for n in joint.graph.nodes}
-    saved_nodes = [lowered.value_nodes[v] for v in backward_reads(lowered, schedule)]
-    fw_template, bw_template = _extract_fwd_bwd_modules(
-        joint, saved_nodes, [], num_fwd_outputs=lowered.num_fwd_outputs
-    )
-
-    fw_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    _placeholders(fw_graph, fw_template, by_name, env)
-    for node in lowered.value_nodes:
-        if node.op == "get_attr":
-            env[node] = fw_graph.node_copy(node)
-    for i in schedule.forward:
-        _copy_op(fw_graph, lowered, i, env)
-    _output(fw_graph, fw_template, by_name, env)
-
-    bw_graph = fx.Graph()
-    env = {}
-    _placeholders(bw_graph, bw_template, by_name, env)
-    for node in lowered.value_nodes:
-        if node.op == "get_attr":
-            env[node] = bw_graph.node_copy(node)
-    for i in schedule.backward:
-        _copy_op(bw_graph, lowered, i, env)
-    _output(bw_graph, bw_template, by_name, env)
-
-    fw_graph.lint()
-    bw_graph.lint()
-    return fx.GraphModule(joint, fw_graph), fx.GraphModule(joint, bw_graph)
+    saved = [lowered.value_nodes[v] for v in backward_reads(lowered, schedule)]
+    primals, fw_out, fw_descs, bw_in, bw_out, bw_descs = _interface(
+        joint, saved, lowered.num_fwd_outputs)
+    forward = _emit(primals, schedule.forward, fw_out, fw_descs, lowered)
+    backward = _emit(bw_in, schedule.backward, bw_out, bw_descs, lowered)
+    return fx.GraphModule(joint, forward), fx.GraphModule(joint, backward)
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:

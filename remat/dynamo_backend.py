@@ -20,6 +20,7 @@ import torch.fx as fx
 from .budget import Budget, parse_budget
 from .codegen import boxed, generate_modules
 from .costs import measure_op_times, model_op_times
+from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import split_dropout
 from .plan import Plan
@@ -30,7 +31,7 @@ __all__ = ["RematBackend", "backend", "DEFAULT_SOLVER"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOLVER = "ilp"
+DEFAULT_SOLVER = "hierarchical"
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -50,6 +51,7 @@ class RematBackend:
 
     Attributes:
         plans: The :class:`Plan` of every graph compiled so far, in order.
+        graphs: The :class:`RematGraph` each plan was solved on (for inspection and debugging).
     """
 
     def __init__(self, budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
@@ -64,6 +66,7 @@ class RematBackend:
         self.measure = measure
         self.options = dict(options or {})
         self.plans: list[Plan] = []
+        self.graphs: list[RematGraph] = []  # the solved graphs, parallel to `plans`
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -93,6 +96,7 @@ class RematBackend:
         plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
                                     time_limit=self.time_limit, options=self.options)
         self.plans.append(plan)
+        self.graphs.append(graph)
         return generate_modules(lowered, schedule, joint)
 
     @staticmethod
@@ -123,7 +127,7 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
 
     Args:
         budget: ``"70%"``, ``0.7``, ``"6GiB"``, ``1_500_000_000``... (see :func:`remat.parse_budget`).
-        solver: One of ``remat.SOLVERS`` (default ``"ilp"``).
+        solver: One of ``remat.SOLVERS`` (default ``"hierarchical"``).
         time_limit: Seconds each solve may take; the best schedule found by then is used.
         measure: Time ops on the real example inputs (default) or model them from FLOPs.
         options: Solver-specific options.

@@ -72,8 +72,9 @@ class InfeasibleBudgetError(RematError):
                 f"solver {solver!r} found no schedule within the budget "
                 f"{format_bytes(budget_bytes)} (the unmodified step peaks at "
                 f"{format_bytes(baseline_bytes)}; no schedule can go below "
-                f"{format_bytes(lower_bound_bytes)}). Try solver='hierarchical' or 'ilp', a longer "
-                "time_limit, or a higher budget."
+                f"{format_bytes(lower_bound_bytes)}). Try another solver "
+                f"({', '.join(repr(s) for s in ('hierarchical', 'ilp', 'dp') if s != solver)}), a "
+                "longer time_limit, or a higher budget."
             )
         if detail:
             message += f" {detail}"

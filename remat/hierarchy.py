@@ -12,7 +12,7 @@ from .graph import RematGraph
 
 __all__ = ["Block", "child_blocks", "checkpoint_blocks"]
 
-# Descend into a module that holds at least this share of its parent's forward time: a model
+# Descend into a module that holds at least this share of its parent's forward ops: a model
 # that is one big child (``GPT2LMHeadModel.transformer``) is split at the level below it.
 _DOMINANT_SHARE = 0.8
 
@@ -61,14 +61,15 @@ def child_blocks(graph: RematGraph, prefix: str, ops: tuple[int, ...] | None = N
 def checkpoint_blocks(graph: RematGraph) -> list[Block]:
     """The blocks a person would wrap in ``torch.utils.checkpoint``.
 
-    Starting at the root, descend while a single child module holds most of the forward time
+    Starting at the root, descend while a single child module holds most of the forward ops
     (``_DOMINANT_SHARE``); the children at the first level with a real split are the blocks.
     """
     prefix = ""
     ops: tuple[int, ...] = tuple(graph.forward_ops)
 
     def weight(op_indices: tuple[int, ...]) -> float:
-        return sum(graph.ops[i].time for i in op_indices) or float(len(op_indices))
+        # Op counts, not measured times: a single noisy timing must not change the structure.
+        return float(len(op_indices))
 
     while True:
         blocks = child_blocks(graph, prefix, ops)

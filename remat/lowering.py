@@ -83,7 +83,23 @@ def _alias_sources(node: fx.Node) -> tuple[int | None, bool]:
     return None, False
 
 
-def _is_recomputable(node: fx.Node) -> bool:
+_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
+
+
+def _is_recomputable(node: fx.Node, mutated: set[fx.Node]) -> bool:
+    """Whether running ``node`` again gives the same values.
+
+    NOTE [ Ops that read a mutated input ]
+    Inputs that forward mutates (BatchNorm running statistics, counters) are written back right
+    after forward, so a recomputation would read the *new* values. Such ops are never recomputed,
+    except BatchNorm in training mode: the outputs backward uses (normalized output, batch mean
+    and inverse std) depend only on the batch, and its running-statistics outputs are those of
+    the first forward (the recomputed ones are discarded), so statistics update exactly once.
+    """
+    if any(a in mutated for a in node.all_input_nodes):
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        if not (node.target is _BATCH_NORM and training is True):
+            return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
@@ -120,6 +136,20 @@ def _output_descs(joint: fx.GraphModule) -> list[object]:
     return list(out.meta.get("desc") or [])
 
 
+def _mutated_inputs(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """Placeholders whose tensors forward mutates (written back after it runs).
+
+    They may still be read by a recomputed BatchNorm (see NOTE [ Ops that read a mutated
+    input ]), so they are saved without autograd's version check, which the write-back bumps.
+    """
+    descs = _output_descs(joint)[:num_fwd_outputs]
+    targets = {d.mutated_input for d in descs if type(d).__name__ == "InputMutationAOTOutput"}
+    mutated = {n for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("desc") in targets}
+    for node in mutated:
+        node.meta["saved_tensor_with_no_vc_check"] = True
+    return mutated
+
+
 def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered:
     """Build the plain-data graph of an AOTAutograd joint forward+backward graph.
 
@@ -135,6 +165,7 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
     """
     nodes = list(joint.graph.nodes)
     output_node = nodes[-1]
+    mutated = _mutated_inputs(joint, num_fwd_outputs)
     value_of: dict[fx.Node, int] = {}
     values: list[Value] = []
     value_nodes: list[fx.Node] = []
@@ -229,7 +260,7 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
             phase=phase,
             inputs=tuple(inputs),
             outputs=tuple(value_of[p] for p in produced),
-            recomputable=_is_recomputable(node),
+            recomputable=_is_recomputable(node, mutated),
             module=_node_module(node),
             signature=_signature(node),
             workspace=transient,

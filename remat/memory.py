@@ -55,6 +55,9 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
     Yields:
         A :class:`MemoryTracker` whose ``peak_bytes`` / ``end_bytes`` are set on exit.
 
+    Raises:
+        RuntimeError: on CPU, when a ``torch.profiler`` session is already active.
+
     Example:
         >>> with track_memory() as mem:
         ...     y = torch.ones(1024, 1024)
@@ -82,6 +85,12 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
         )
     from torch.profiler import ProfilerActivity, profile
 
+    if torch._C._autograd._profiler_enabled():
+        raise RuntimeError(
+            "track_memory() on CPU needs the PyTorch profiler, and another torch.profiler session "
+            "is already running (nested sessions record nothing). Measure outside that session, "
+            "or on CUDA use track_memory('cuda')."
+        )
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
     prof.__enter__()
     try:

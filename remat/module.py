@@ -10,6 +10,7 @@ registered) to be compiled and to serve calls that need no backward (``no_grad``
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -21,6 +22,26 @@ from .errors import CaptureError, RematError
 from .plan import Plan
 
 __all__ = ["RematModule", "rematerialize"]
+
+
+def _logging_methods() -> set:
+    """``logging.Logger`` methods, including the ``*_once`` ones libraries attach to it.
+
+    NOTE [ Log calls inside the captured forward ]
+    A log call in ``forward`` (Hugging Face models warn through ``logger.warning_once``) is a
+    graph break for dynamo. We capture with these methods marked as no-ops instead: the step is
+    captured as one graph and only the log line is lost.
+    """
+    names = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
+    names |= {n for n in vars(logging.Logger) if n.endswith("_once")}
+    return {getattr(logging.Logger, n) for n in names if callable(getattr(logging.Logger, n, None))}
+
+
+def _capture_config():
+    import torch._dynamo
+
+    ignored = set(torch._dynamo.config.ignore_logging_functions) | _logging_methods()
+    return torch._dynamo.config.patch(ignore_logging_functions=ignored)
 
 
 @contextlib.contextmanager
@@ -98,6 +119,11 @@ class RematModule(nn.Module):
         return list(self._remat_backend.plans)
 
     @property
+    def graphs(self) -> list:
+        """The :class:`~remat.graph.RematGraph` of each plan (for inspection)."""
+        return list(self._remat_backend.graphs)
+
+    @property
     def plan(self) -> Plan:
         plans = self._remat_backend.plans
         if not plans:
@@ -113,11 +139,15 @@ class RematModule(nn.Module):
         if not torch.is_grad_enabled():
             return self._remat_original(*args, **kwargs)
         try:
-            return self._remat_compiled(*args, **kwargs)
+            with _capture_config():  # see NOTE [ Log calls inside the captured forward ]
+                return self._remat_compiled(*args, **kwargs)
         except RematError:
             raise
         except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
-            raise _capture_error(exc) from exc
+            error = _capture_error(exc)
+            if error is getattr(exc, "inner_exception", None):
+                raise error.with_traceback(None) from None  # our own error, raised in the backend
+            raise error from exc
 
     def capture(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile and solve for these inputs without changing any state (buffers, RNG)."""

@@ -47,8 +47,12 @@ def plan_graph(
             "the unmodified step fits the budget"
         solve_time = time.perf_counter() - started
     else:
-        result = get_solver(solver).solve(
-            Problem(graph, budget_bytes, time_limit=time_limit, options=dict(options or {})))
+        try:
+            result = get_solver(solver).solve(
+                Problem(graph, budget_bytes, time_limit=time_limit, options=dict(options or {})))
+        except Exception:
+            log.debug("graph that made solver %r fail: %s", solver, graph.summary())
+            raise
         if result.status == "infeasible" or result.schedule is None:
             best = result.simulation.peak_bytes if result.simulation else lower
             raise InfeasibleBudgetError(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from .base import STATUSES, Problem, SolveResult, Solver
 from .baselines import CheckpointSolver, SaveAllSolver
+from .hierarchical import DPSolver, HierarchicalSolver
 from .ilp import ILPSolver
 
 __all__ = ["SOLVERS", "STATUSES", "Problem", "SolveResult", "Solver", "get_solver"]
 
 SOLVERS: dict[str, type] = {
-    cls.name: cls for cls in (ILPSolver, CheckpointSolver, SaveAllSolver)
+    cls.name: cls
+    for cls in (HierarchicalSolver, ILPSolver, DPSolver, CheckpointSolver, SaveAllSolver)
 }
 
 

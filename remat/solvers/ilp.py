@@ -79,6 +79,13 @@ def quiet_stdout(enabled: bool = True):
         os.close(saved)
 
 
+def _binary_factory(prob: pulp.LpProblem):
+    """Binary variables attached to ``prob`` (PuLP >= 3.3's API; older PuLP: free variables)."""
+    if hasattr(prob, "add_variable"):
+        return lambda name: prob.add_variable(name, 0, 1, cat=pulp.LpBinary)
+    return lambda name: pulp.LpVariable(name, cat=pulp.LpBinary)
+
+
 def anchors(graph: RematGraph) -> list[int | None]:
     """For each value, the value the ILP reasons about instead (see NOTE [ The ILP ]).
 
@@ -105,8 +112,9 @@ def anchors(graph: RematGraph) -> list[int | None]:
 class _Model:
     """The ILP of NOTE [ The ILP ] for one graph and budget."""
 
-    def __init__(self, graph: RematGraph, budget: int) -> None:
+    def __init__(self, graph: RematGraph, budget: int, save_budget: int | None = None) -> None:
         self.graph = graph
+        self.save_budget = save_budget
         live = liveness(graph)
         values, ops = graph.values, graph.ops
         nf = graph.num_forward
@@ -156,11 +164,10 @@ class _Model:
         n = len(self.stages)
         prob = pulp.LpProblem("remat", pulp.LpMinimize)
         w0 = sorted(self.cand_vals[0]) if n else []
-        self.s = s = {v: pulp.LpVariable(f"s_{v}", cat="Binary") for v in w0}
-        self.K = K = [{v: pulp.LpVariable(f"K_{t}_{v}", cat="Binary") for v in sorted(self.cand_vals[t])}
-                      for t in range(n)]
-        self.R = R = [{i: pulp.LpVariable(f"R_{t}_{i}", cat="Binary") for i in sorted(self.cand_ops[t])}
-                      for t in range(n)]
+        binary = _binary_factory(prob)
+        self.s = s = {v: binary(f"s_{v}") for v in w0}
+        self.K = K = [{v: binary(f"K_{t}_{v}") for v in sorted(self.cand_vals[t])} for t in range(n)]
+        self.R = R = [{i: binary(f"R_{t}_{i}") for i in sorted(self.cand_ops[t])} for t in range(n)]
 
         # Numerics: times in microseconds, bytes in KiB rounded up (right-hand sides rounded
         # down), so the MIP's coefficients stay in a range its tolerances handle; the rounding
@@ -205,6 +212,10 @@ class _Model:
                 kept = [(var, kib(values[v].nbytes)) for v, var in K[t].items() if values[v].nbytes]
                 prob += pulp.LpAffineExpression(kept) <= cap(budget - max(gap))
             previous = k
+        if self.save_budget is not None:  # bytes kept from forward to backward
+            prob += pulp.LpAffineExpression(
+                [(var, kib(values[v].nbytes)) for v, var in s.items() if values[v].nbytes]
+            ) <= cap(self.save_budget)
         # Forward: saved values produced so far + forward's own live values.
         root = graph.storage_root
         produced: list[int] = []
@@ -237,6 +248,8 @@ class ILPSolver:
     Options (``Problem.options``):
         max_variables: refuse graphs whose model would exceed this many binaries
             (default 60,000); use the hierarchical solver for those.
+        save_budget: also bound the bytes kept from forward to backward (used to build the
+            options of a block, see :mod:`remat.solvers.options`).
         msg: print the MIP solver's log (default ``False``).
     """
 
@@ -245,7 +258,7 @@ class ILPSolver:
     def solve(self, problem: Problem) -> SolveResult:
         started = time.perf_counter()
         graph = problem.graph
-        model = _Model(graph, problem.budget_bytes)
+        model = _Model(graph, problem.budget_bytes, problem.options.get("save_budget"))
         limit = int(problem.options.get("max_variables", _DEFAULT_MAX_VARIABLES))
         if model.num_variables > limit:
             raise ValueError(

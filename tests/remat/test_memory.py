@@ -36,3 +36,13 @@ def test_sees_inside_compiled_graphs():
     assert mem.end_bytes == 128 * 256 * 4
     assert mem.peak_bytes >= 2 * 128 * 256 * 4
     assert out.shape == (128, 256)
+
+
+def test_refuses_to_nest_inside_another_profiler():
+    import pytest
+    from torch.profiler import profile
+
+    with profile():
+        with pytest.raises(RuntimeError, match="already running"):
+            with remat.track_memory():
+                pass

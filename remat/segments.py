@@ -1,0 +1,206 @@
+"""Cut a joint graph into a chain of segments for the hierarchical solver.
+
+NOTE [ Segments and regions ]
+Segments are consecutive runs of forward ops, one per block of the module tree at the level
+:func:`remat.hierarchy.checkpoint_blocks` picks (a transformer's layers, a ResNet's blocks, with
+the ops between blocks joining the segment before them). A segment bigger than ``max_block_ops``
+is split along its child modules, or, where there are none, at the forward positions whose
+crossing values are smallest. A block whose ops are interleaved with another's is merged with
+it, so segments are contiguous in forward order.
+
+Each backward op belongs to the *region* of one segment: the latest segment whose forward values
+it reads, else the segment of the module it differentiates (if that module lives in one segment),
+else its predecessor's. A
+backward op may not run before a backward op it reads from, so it moves to a later region when
+needed. Regions run in reverse segment order, each in the original backward order.
+
+``cut_bytes[l]`` is what crosses into segment l: storages produced before it and read by forward
+ops from l on. Forward values a region reads that are neither its segment's nor crossing into it
+are *global*: the DP does not model them, their bytes are charged as fixed memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import RematGraph, ValueKind
+from .hierarchy import child_blocks, checkpoint_blocks
+from .liveness import liveness
+
+__all__ = ["Chain", "chain_structure"]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chain of segments. See NOTE [ Segments and regions ].
+
+    Attributes:
+        segments: Forward ops of each segment, in order.
+        regions: Backward ops of each segment, in original backward order.
+        cut_bytes: Bytes crossing into each segment; the last entry is the size of the
+            incoming output gradients.
+        grad_bytes: Gradients each region leaves behind (parameter gradients).
+        fixed_bytes: Bytes the chain model does not see (global values, model outputs).
+    """
+
+    segments: tuple[tuple[int, ...], ...]
+    regions: tuple[tuple[int, ...], ...]
+    cut_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    fixed_bytes: int
+
+
+def _runs(graph: RematGraph, ops: list[int], block_of: dict[int, str]) -> list[list[int]]:
+    """Contiguous segments: one per block; ops outside blocks join the segment before them
+    (leading ones the first block); a block that reappears absorbs everything in between."""
+    segs: list[tuple[set[str], list[int]]] = []
+    for i in ops:
+        key = block_of.get(i)
+        if key is None:
+            if segs:
+                segs[-1][1].append(i)
+            else:
+                segs.append((set(), [i]))
+            continue
+        hit = next((k for k, (keys, _) in enumerate(segs) if key in keys), None)
+        if hit is None:
+            if segs and not segs[-1][0]:
+                segs[-1][0].add(key)
+                segs[-1][1].append(i)
+            else:
+                segs.append(({key}, [i]))
+            continue
+        keys, members = segs[hit]
+        for more_keys, more in segs[hit + 1:]:
+            keys |= more_keys
+            members.extend(more)
+        del segs[hit + 1:]
+        members.append(i)
+    return [members for _, members in segs]
+
+
+def _split(graph: RematGraph, ops: list[int], max_ops: int, depth: int = 0) -> list[list[int]]:
+    """Split a segment that is too big: along child modules, else at cheap cuts."""
+    if len(ops) <= max_ops:
+        return [ops]
+    modules = {graph.ops[i].module for i in ops}
+    prefix = _common_prefix(modules)
+    children = child_blocks(graph, prefix, tuple(ops)) if depth < 8 else []
+    if len(children) > 1:
+        block_of = {i: b.path for b in children for i in b.ops}
+        pieces = _runs(graph, ops, block_of)
+        if len(pieces) > 1:
+            return [p for piece in pieces for p in _split(graph, piece, max_ops, depth + 1)]
+    return _cheap_cuts(graph, ops, max_ops)
+
+
+def _common_prefix(paths: set[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    if not parts:
+        return ""
+    prefix = []
+    for column in zip(*parts):
+        if len(set(column)) != 1:
+            break
+        prefix.append(column[0])
+    return ".".join(prefix)
+
+
+def _cheap_cuts(graph: RematGraph, ops: list[int], max_ops: int) -> list[list[int]]:
+    """Cut a run of forward ops into pieces of at most ``max_ops`` where little crosses."""
+    position = {i: k for k, i in enumerate(ops)}
+    delta = [0] * (len(ops) + 1)  # crossing[p]: bytes produced at or before p, read after p
+    root = graph.storage_root
+    for k, i in enumerate(ops):
+        for v in graph.ops[i].outputs:
+            last = max((position[u] for u in graph.users[v] if u in position), default=k)
+            if last > k and root[v] == v:
+                delta[k] += graph.values[v].nbytes
+                delta[last] -= graph.values[v].nbytes
+    crossing, running = [], 0
+    for d in delta[:-1]:
+        running += d
+        crossing.append(running)
+    pieces, start = [], 0
+    while len(ops) - start > max_ops:
+        lo, hi = start + max_ops // 2, start + max_ops - 1
+        cut = min(range(lo, hi + 1), key=lambda p: (crossing[p], -p))
+        pieces.append(ops[start:cut + 1])
+        start = cut + 1
+    pieces.append(ops[start:])
+    return pieces
+
+
+def chain_structure(graph: RematGraph, *, max_block_ops: int = 120) -> Chain:
+    """Segments, regions and sizes of ``graph``. See NOTE [ Segments and regions ]."""
+    values, ops = graph.values, graph.ops
+    nf = graph.num_forward
+    fwd = list(graph.forward_ops)
+    blocks = checkpoint_blocks(graph)
+    block_of = {i: b.path for b in blocks for i in b.ops}
+    segments = [p for run in _runs(graph, fwd, block_of) for p in _split(graph, run, max_block_ops)]
+    seg_of = {i: k for k, seg in enumerate(segments) for i in seg}
+    n = len(segments)
+
+    # Regions: by the forward values read, else by module (when the module lives in one
+    # segment only), else the previous op's.
+    path_segs: dict[str, set[int]] = {}
+    for i in fwd:
+        path_segs.setdefault(ops[i].module, set()).add(seg_of[i])
+    live = liveness(graph)
+    region_of: dict[int, int] = {}
+    previous = n - 1
+    for k, b in enumerate(graph.backward_ops):
+        op = ops[b]
+        owners = {seg_of[values[v].producer] for v in live.needs[k]
+                  if 0 <= values[v].producer < nf}
+        if owners:
+            region = max(owners)
+        elif op.module and len(path_segs.get(op.module, ())) == 1:
+            region = next(iter(path_segs[op.module]))
+        else:
+            region = previous
+        for v in op.inputs:  # never before a backward op it reads from
+            p = values[v].producer
+            if p >= nf:
+                region = min(region, region_of[p])
+        region_of[b] = previous = region
+    regions = [[] for _ in range(n)]
+    for b in graph.backward_ops:
+        regions[region_of[b]].append(b)
+
+    # Cuts: storages produced before segment l and read by forward ops from l on.
+    root = graph.storage_root
+    last_reader = {}
+    for i in fwd:
+        for v in ops[i].inputs:
+            r = root[v]
+            if values[r].kind is ValueKind.ACTIVATION:
+                last_reader[r] = max(last_reader.get(r, -1), seg_of[i])
+    cut = [0] * (n + 1)
+    for r, last in last_reader.items():
+        born = seg_of[values[r].producer]
+        for seg in range(born + 1, last + 1):
+            cut[seg] += values[r].nbytes
+    cut[n] = sum(v.nbytes for v in values if v.kind is ValueKind.TANGENT)
+
+    # Global values: what a region reads that is neither its segment's nor crossing into it.
+    fixed = set()
+    for k, b in enumerate(graph.backward_ops):
+        region = region_of[b]
+        for v in live.needs[k]:
+            r = root[v]
+            if values[r].kind is not ValueKind.ACTIVATION:
+                continue
+            born = seg_of[values[r].producer]
+            if born != region and not (born < region <= last_reader.get(r, -1)):
+                fixed.add(r)
+    fixed_bytes = sum(values[r].nbytes for r in fixed) + live.output_bytes
+
+    out_roots = {root[v] for v in graph.backward_outputs}
+    grads = [0] * n
+    for b in graph.backward_ops:
+        for v in ops[b].outputs:
+            if v in out_roots and values[v].kind is ValueKind.GRADIENT:
+                grads[region_of[b]] += values[v].nbytes
+    return Chain(tuple(tuple(s) for s in segments), tuple(tuple(r) for r in regions),
+                 tuple(cut), tuple(grads), fixed_bytes)

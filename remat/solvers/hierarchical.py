@@ -1,0 +1,284 @@
+"""The hierarchical solver (HiRemate, Gusak et al., ICML 2025; Rockmate, Zhao et al., ICML 2023).
+
+NOTE [ Hierarchical solving ]
+1. *Structure* (:mod:`remat.segments`): the forward is cut into a chain of segments along the
+   module tree (a transformer's layers, a ResNet's blocks), splitting any segment too big for the
+   exact ILP into its child modules or, for flat graphs, at the cheapest cuts in forward order.
+   Each segment gets the backward ops that differentiate it (its *region*).
+2. *Options*: each distinct segment (identical layers share one solve) gets a Pareto set of
+   options from the exact ILP under a grid of limits on bytes kept
+   (:mod:`remat.solvers.options`).
+3. *Upper level*: the chain DP (:mod:`remat.solvers.chain`) picks each segment's option and
+   which segment inputs to store or recompute, for every memory capacity at once.
+4. *Merge and check*: the DP's actions become one schedule (each region's backward with the
+   recomputations it needs before it); what must be saved is what backward reads before
+   recomputing it. The simulator is the judge: we search the DP capacity for the fastest
+   schedule whose simulated peak fits the budget, since the DP's memory model is approximate.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import ClassVar
+
+from ..errors import ScheduleError
+from ..graph import RematGraph, ValueKind
+from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
+from ..segments import Chain, chain_structure
+from ..subgraph import Subgraph, extract_subgraph
+from .base import Problem, SolveResult, finish
+from .chain import ChainTable, Stage, StageOption, solve_chain
+from .ilp import ILPSolver, _Model
+from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
+
+__all__ = ["HierarchicalSolver", "DPSolver"]
+
+log = logging.getLogger(__name__)
+
+_SLOTS = 600
+_TOP_ILP_VARIABLES = 4_000  # graphs whose whole ILP is this small are also solved exactly
+_INNER_SLOTS = 200
+_HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
+
+
+class HierarchicalSolver:
+    """Recursive chain DP over the module tree, with exact ILP options for small leaf blocks.
+
+    See NOTE [ Hierarchical solving ]. Options (``Problem.options``):
+        leaf_ops: blocks with at most this many forward ops are leaves (default 40).
+        max_block_ops: largest segment kept whole when cutting a level (default 120).
+        option_time_limit: seconds per leaf ILP solve (default: a share of ``time_limit``).
+        progress: show a progress bar while block options are computed (default ``True``).
+    """
+
+    name: ClassVar[str] = "hierarchical"
+    use_ilp: ClassVar[bool] = True
+
+    def solve(self, problem: Problem) -> SolveResult:
+        started = time.perf_counter()
+        deadline = started + problem.time_limit
+        graph = problem.graph
+        found = [self._hierarchical(problem, self.use_ilp, deadline)]
+        if self.use_ilp:
+            # The same hierarchy with keep-all/keep-nothing options only: cheap, and its DP
+            # model is sometimes the more accurate one at very low budgets.
+            found.append(self._hierarchical(problem, False, deadline))
+            remaining = deadline - time.perf_counter()
+            if remaining > 2.0 and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES:
+                # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
+                found.append(ILPSolver().solve(Problem(graph, problem.budget_bytes,
+                                                       time_limit=0.8 * remaining)))
+        feasible = [r for r in found if r.schedule is not None and r.status != "infeasible"]
+        if feasible:
+            best = min(feasible, key=lambda r: r.simulation.time)
+            return finish(self.name, problem, best.schedule, started, proven=False,
+                          detail=f"{best.solver}: {best.detail}",
+                          timed_out=time.perf_counter() > deadline)
+        lowest = min((r for r in found if r.schedule is not None),
+                     key=lambda r: r.simulation.peak_bytes)
+        return finish(self.name, problem, lowest.schedule, started, proven=False,
+                      detail=f"{lowest.solver}: {lowest.detail}")
+
+    def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float) -> SolveResult:
+        started = time.perf_counter()
+        graph = problem.graph
+        ctx = _Context(use_ilp, problem, deadline)
+        chain = chain_structure(graph, max_block_ops=ctx.max_block_ops)
+        subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
+        options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
+        ctx.close()
+        table = solve_chain(_stages(chain, options), chain.cut_bytes[-1],
+                            max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
+                            slots=_SLOTS)
+        best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
+        name = "hierarchical" if use_ilp else "dp"
+        detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
+                  f"({ctx.reused} reused)")
+        if best is None:
+            from ..schedule import save_all_schedule
+
+            return finish(name, problem, lowest or save_all_schedule(graph), started,
+                          proven=False, detail=detail + "; no schedule within the budget")
+        return finish(name, problem, best, started, proven=False, detail=detail)
+
+
+class _Context:
+    """Shared state of one hierarchical solve: the option cache keyed by block structure."""
+
+    def __init__(self, use_ilp: bool, problem: Problem, deadline: float) -> None:
+        opts = problem.options
+        self.use_ilp = use_ilp
+        self.leaf_ops = int(opts.get("leaf_ops", 40))
+        self.max_block_ops = int(opts.get("max_block_ops", 120))
+        self.option_time_limit = opts.get("option_time_limit")
+        self.deadline = deadline
+        self.cache: dict[str, BlockOptions] = {}
+        self.solved = self.reused = 0
+        self.bar = _progress(bool(opts.get("progress", True)))
+
+    def options_of(self, sub: RematGraph, depth: int) -> BlockOptions:
+        sig = block_signature(sub)
+        if sig in self.cache:
+            self.reused += 1
+            return self.cache[sig]
+        self.solved += 1
+        result = self._solve_block(sub, depth)
+        self.cache[sig] = result
+        self.bar.update(1)
+        return result
+
+    def _solve_block(self, sub: RematGraph, depth: int) -> BlockOptions:
+        small = sub.num_forward <= self.leaf_ops
+        if not small and depth < 6:
+            chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2))
+            if len(chain.segments) > 1:
+                return self._compose(sub, chain, depth)
+        remaining = max(0.0, self.deadline - time.perf_counter())
+        use_ilp = self.use_ilp and remaining > 1.0 and sub.num_forward <= 2 * self.leaf_ops
+        limit = self.option_time_limit or max(0.5, min(5.0, remaining / 20))
+        return block_options(sub, time_limit=limit, use_ilp=use_ilp)
+
+    def _compose(self, sub: RematGraph, chain: Chain, depth: int) -> BlockOptions:
+        """Options of a block from the chain DP over its children, at a grid of capacities."""
+        parts = [extract_subgraph(sub, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
+        child = [self.options_of(p.graph, depth + 1) for p in parts]
+        leaf = block_options(sub, use_ilp=False)  # keep-all / keep-nothing for reference
+        ceiling = max(o.backward_peak for o in leaf.options) + max(o.forward_peak for o in leaf.options)
+        table = solve_chain(_stages(chain, child), chain.cut_bytes[-1], ceiling, slots=_INNER_SLOTS)
+        candidates = list(leaf.options)
+        seen: set[tuple] = set()
+        for slot in _grid(table):
+            try:
+                schedule = assemble(sub, parts, child, table.actions(slot))
+            except (ScheduleError, ValueError):
+                continue
+            key = (schedule.saved, schedule.backward)
+            if key not in seen:
+                seen.add(key)
+                candidates.append(option_from_schedule(sub, f"dp@{slot}", schedule))
+        return BlockOptions(
+            options=pareto(candidates),
+            forward_time=leaf.forward_time,
+            nosave_forward=leaf.nosave_forward,
+            nosave_time=leaf.nosave_time,
+            nosave_peak=leaf.nosave_peak,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _grid(table: ChainTable, points: int = 16) -> list[int]:
+    """Capacities (slots) where the DP has a schedule, spread from the smallest to the largest."""
+    finite = [m for m in range(table.slots + 1) if table.best_time(m) < float("inf")]
+    if not finite:
+        return []
+    lo, hi = finite[0], finite[-1]
+    return sorted({lo + round(k * (hi - lo) / (points - 1)) for k in range(points)})
+
+
+def _stages(chain: Chain, options: list[BlockOptions]) -> list[Stage]:
+    return [
+        Stage(
+            input_bytes=chain.cut_bytes[k],
+            grad_bytes=chain.grad_bytes[k],
+            nosave_time=opts.nosave_time,
+            nosave_peak=opts.nosave_peak,
+            options=tuple(StageOption(o.saved_bytes, o.forward_peak, o.backward_peak,
+                                      opts.forward_time, o.backward_time) for o in opts.options),
+        )
+        for k, opts in enumerate(options)
+    ]
+
+
+def _search(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
+            table: ChainTable, budget: int) -> tuple[Schedule | None, Schedule | None]:
+    """Largest DP capacity whose schedule simulates within ``budget`` (binary search), keeping
+    the fastest feasible schedule and the lowest-peak one seen."""
+    cache: dict[int, tuple[Schedule, Simulation] | None] = {}
+
+    def at(slot: int) -> tuple[Schedule, Simulation] | None:
+        if slot not in cache:
+            cache[slot] = None
+            if table.best_time(slot) < float("inf"):
+                try:
+                    schedule = assemble(graph, subs, options, table.actions(slot))
+                    cache[slot] = (schedule, simulate(graph, schedule))
+                except ScheduleError as exc:
+                    log.debug("capacity slot %d gives an invalid schedule: %s", slot, exc)
+        return cache[slot]
+
+    finite = [m for m in range(table.slots + 1) if table.best_time(m) < float("inf")]
+    if finite:
+        lo, hi = finite[0], finite[-1]
+        if (found := at(hi)) is not None and found[1].peak_bytes <= budget:
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = at(mid)
+            if found is not None and found[1].peak_bytes <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        for slot in (lo - 2, lo - 1, lo, lo + 1):  # the boundary is not always monotone
+            if 0 <= slot <= table.slots:
+                at(slot)
+        for slot in _grid(table, points=24):  # and the DP's model is only approximate
+            at(slot)
+    done = [item for item in cache.values() if item]
+    feasible = [item for item in done if item[1].peak_bytes <= budget]
+    lowest = min(done, key=lambda it: it[1].peak_bytes, default=None)
+    best = min(feasible, key=lambda it: it[1].time, default=None)
+    return (best[0] if best else None), (lowest[0] if lowest else None)
+
+
+def assemble(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
+             actions: list[tuple]) -> Schedule:
+    """Turn the DP's actions into one schedule of ``graph`` (see NOTE [ Hierarchical solving ])."""
+    first_backward = next(k for k, a in enumerate(actions) if a[0] == "B")
+    backward: list[int] = []
+    for action in actions[first_backward:]:
+        sub, opts = subs[action[1]], options[action[1]]
+        if action[0] == "B":
+            backward.extend(sub.to_global_ops(opts.options[action[2]].backward))
+            continue
+        local = opts.nosave_forward if action[0] == "F0" else opts.options[action[2]].forward
+        backward.extend(sub.ops[i] for i in local if sub.graph.ops[i].recomputable)
+    nf = graph.num_forward
+    saved: set[int] = set()
+    produced: set[int] = set()
+    for i in backward:
+        for v in graph.ops[i].inputs:
+            if v not in produced and 0 <= graph.values[v].producer < nf:
+                saved.add(v)
+        produced.update(graph.ops[i].outputs)
+    saved -= set(graph.user_outputs)
+    frozen = frozenset(saved)
+    draft = Schedule(forward_ops_needed(graph, frozen), frozen, tuple(backward))
+    return tidy(graph, remake_views(graph, draft))
+
+
+def _progress(enabled: bool):
+    """A progress bar over solved blocks (tqdm, if installed); it appears after 3 s."""
+
+    class _Null:
+        def update(self, n: int) -> None: ...
+
+        def close(self) -> None: ...
+
+    if not enabled:
+        return _Null()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _Null()
+    return tqdm(desc="remat: solving blocks", unit="block", leave=False, delay=3.0)
+
+
+class DPSolver(HierarchicalSolver):
+    """The chain DP with two options per block, keep everything or keep nothing: Rotor-style
+    checkpointing over the module blocks, without the ILP. Fast, and never better than
+    ``"hierarchical"``."""
+
+    name: ClassVar[str] = "dp"
+    use_ilp: ClassVar[bool] = False

@@ -1,0 +1,168 @@
+"""Options of a block: a Pareto set of ways to run it, trading memory kept for recomputation.
+
+NOTE [ Block options ]
+For a block (a sub-problem cut out with :func:`remat.subgraph.extract_subgraph`), an option says
+which of its activations the first forward keeps for backward, and how its backward runs
+(backward ops plus the recomputations they need). Each option is priced by simulating it on the
+block alone: bytes kept, forward peak, backward peak, backward time. We always offer "keep
+everything" and "keep nothing" (recompute from the block's inputs, like
+``torch.utils.checkpoint``), and in between the exact ILP's answers under a grid of limits on the
+bytes kept (Rockmate's approach, with an explicit Pareto filter instead of a heuristic spread).
+Identical blocks (same ops, shapes and structure) share one solve (:func:`block_signature`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+from ..graph import RematGraph, ValueKind
+from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_all_schedule, simulate
+from .base import Problem
+from .ilp import ILPSolver, _Model
+
+__all__ = ["BlockOption", "BlockOptions", "block_options", "block_signature", "option_from_schedule",
+           "pareto"]
+
+log = logging.getLogger(__name__)
+
+# Limits on the bytes a block keeps, as fractions of what keeping everything keeps.
+SAVE_GRID = (0.0, 0.15, 0.3, 0.5, 0.75)
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One way to run a block (local indices of its sub-graph).
+
+    Attributes:
+        name: ``"all"``, ``"none"`` or ``"ilp<=30%"``.
+        forward: Forward ops a forward that keeps ``saved`` must run.
+        saved: Values kept from that forward for the backward.
+        backward: Backward list: the block's backward ops and its internal recomputations.
+        saved_bytes: Bytes of the block's own activations kept (storages counted once).
+        forward_peak: Peak while the forward runs (relative to the block's inputs).
+        backward_peak: Peak while the backward runs, kept activations included.
+        backward_time: Seconds of the backward list (recomputation included).
+        recompute_time: Seconds of recomputation in it.
+    """
+
+    name: str
+    forward: tuple[int, ...]
+    saved: frozenset[int]
+    backward: tuple[int, ...]
+    saved_bytes: int
+    forward_peak: int
+    backward_peak: int
+    backward_time: float
+    recompute_time: float
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """The Pareto set of a block, with what running it without keeping anything costs.
+
+    Attributes:
+        options: Non-dominated options, fewest bytes kept first.
+        forward_time: Seconds of the block's whole forward.
+        nosave_forward: Forward ops needed just to produce the block's outputs.
+        nosave_time: Seconds of those.
+        nosave_peak: Peak while they run (nothing kept).
+    """
+
+    options: tuple[BlockOption, ...]
+    forward_time: float
+    nosave_forward: tuple[int, ...]
+    nosave_time: float
+    nosave_peak: int
+
+
+def block_signature(sub: RematGraph) -> str:
+    """A hash of a block's structure: ops, wiring, shapes and sizes (not names or times)."""
+    h = hashlib.sha1()
+    for op in sub.ops:
+        h.update(f"{op.phase.value}|{op.signature}|{op.inputs}|{op.outputs}|{op.recomputable}".encode())
+    for v in sub.values:
+        h.update(f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}".encode())
+    h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
+    return h.hexdigest()
+
+
+def _own_bytes(sub: RematGraph, saved: frozenset[int]) -> int:
+    root = sub.storage_root
+    pinned = {root[v] for v in sub.user_outputs}
+    roots = {root[v] for v in saved if sub.values[root[v]].kind is ValueKind.ACTIVATION}
+    return sum(sub.values[r].nbytes for r in roots - pinned)
+
+
+def option_from_schedule(sub: RematGraph, name: str, schedule: Schedule) -> BlockOption:
+    """Price a schedule of a block as a :class:`BlockOption` (by simulating it)."""
+    sim = simulate(sub, schedule)
+    backward_time = sum(sub.ops[i].time for i in schedule.backward)
+    return BlockOption(
+        name=name,
+        forward=schedule.forward,
+        saved=schedule.saved,
+        backward=schedule.backward,
+        saved_bytes=_own_bytes(sub, schedule.saved),
+        forward_peak=sim.forward_peak_bytes,
+        backward_peak=sim.backward_peak_bytes,
+        backward_time=backward_time,
+        recompute_time=sim.recompute_time,
+    )
+
+
+def pareto(options: list[BlockOption]) -> tuple[BlockOption, ...]:
+    """The options no other option beats on every count (bytes kept, peaks, time)."""
+
+    def key(o: BlockOption) -> tuple:
+        return (o.saved_bytes, o.backward_peak, o.forward_peak, o.backward_time)
+
+    kept: list[BlockOption] = []
+    for o in sorted(options, key=lambda o: (key(o), o.name)):
+        if any(all(a <= b for a, b in zip(key(k), key(o))) for k in kept):
+            continue
+        kept.append(o)
+    return tuple(kept)
+
+
+def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: int = 20_000,
+                  save_grid: tuple[float, ...] = SAVE_GRID, use_ilp: bool = True) -> BlockOptions:
+    """Compute the options of a block. See NOTE [ Block options ].
+
+    Args:
+        sub: The block as a graph of its own (see :func:`remat.subgraph.extract_subgraph`).
+        time_limit: Seconds for each ILP solve (the best incumbent is used after that).
+        max_variables: Skip the ILP options for blocks whose model would be larger.
+        save_grid: Limits on bytes kept, as fractions of keeping everything.
+        use_ilp: Compute the in-between options with the ILP (else only "all" and "none").
+
+    Returns:
+        The block's :class:`BlockOptions`.
+    """
+    everything = save_all_schedule(sub)
+    candidates = [option_from_schedule(sub, "all", everything)]
+    candidates.append(option_from_schedule(sub, "none", on_demand_schedule(sub, frozenset())))
+    full_saved = candidates[0].saved_bytes
+    if use_ilp and full_saved > 0 and any(0.0 < f < 1.0 for f in save_grid):
+        model = _Model(sub, 0)
+        if model.num_variables <= max_variables and model.stages:
+            ceiling = candidates[0].backward_peak + candidates[1].backward_peak + \
+                candidates[0].forward_peak
+            for frac in save_grid:
+                if not 0.0 <= frac < 1.0:
+                    continue
+                result = ILPSolver().solve(Problem(
+                    sub, ceiling, time_limit=time_limit,
+                    options={"save_budget": int(frac * full_saved), "max_variables": max_variables}))
+                if result.schedule is not None and result.status != "infeasible":
+                    candidates.append(option_from_schedule(sub, f"ilp<={100 * frac:.0f}%", result.schedule))
+    # A forward that keeps nothing still keeps what random ops drew (the "none" option's saves).
+    nosave = forward_ops_needed(sub, frozenset())
+    keep_nothing = candidates[1]
+    return BlockOptions(
+        options=pareto(candidates),
+        forward_time=sum(sub.ops[i].time for i in sub.forward_ops),
+        nosave_forward=nosave,
+        nosave_time=sum(sub.ops[i].time for i in nosave),
+        nosave_peak=keep_nothing.forward_peak,
+    )
