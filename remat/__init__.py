@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend, backend
 from .budget import Budget, format_bytes, parse_budget
+from .cache import PlanCache
 from .estimate import MemoryReport, estimate
 from .errors import CaptureError, InfeasibleBudgetError, RematError, ScheduleError, SolverError
 from .graph import Op, Phase, RematGraph, Value, ValueKind
@@ -33,6 +34,7 @@ __all__ = [
     "Op",
     "Phase",
     "Plan",
+    "PlanCache",
     "RematBackend",
     "RematError",
     "RematGraph",

@@ -10,6 +10,7 @@ semantics are PyTorch's.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Sequence
@@ -18,6 +19,8 @@ import torch
 import torch.fx as fx
 
 from .budget import Budget, parse_budget
+from .cache import PlanCache, graph_key
+from .errors import ScheduleError
 from .codegen import boxed, generate_modules
 from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
@@ -25,6 +28,7 @@ from .lowering import lower_joint_graph
 from .passes import split_dropout
 from .plan import Plan
 from .planner import plan_graph
+from .schedule import Schedule, simulate
 from .solvers import get_solver
 
 __all__ = ["RematBackend", "backend", "DEFAULT_SOLVER"]
@@ -48,6 +52,7 @@ class RematBackend:
         time_limit: Seconds each solve may take.
         measure: Time ops on the real example inputs (default) instead of modelling them.
         options: Solver-specific options.
+        cache: A :class:`remat.PlanCache` to reuse schedules solved before.
 
     Attributes:
         plans: The :class:`Plan` of every graph compiled so far, in order.
@@ -55,7 +60,8 @@ class RematBackend:
     """
 
     def __init__(self, budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
-                 time_limit: float = 60.0, measure: bool = True, options: dict | None = None) -> None:
+                 time_limit: float = 60.0, measure: bool = True, options: dict | None = None,
+                 cache: PlanCache | None = None) -> None:
         self.budget = parse_budget(budget)
         get_solver(solver)  # validates the name now, not at the first step
         if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or time_limit <= 0:
@@ -65,6 +71,10 @@ class RematBackend:
         self.time_limit = float(time_limit)
         self.measure = measure
         self.options = dict(options or {})
+        if cache is not None and not isinstance(cache, PlanCache):
+            raise TypeError(f"cache={cache!r}: expected a remat.PlanCache or None; pass "
+                            "cache=remat.PlanCache('path/to/dir')")
+        self.cache = cache
         self.plans: list[Plan] = []
         self.graphs: list[RematGraph] = []  # the solved graphs, parallel to `plans`
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
@@ -86,18 +96,41 @@ class RematBackend:
                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         split_dropout(joint)
         lowered = lower_joint_graph(joint, num_fwd_outputs=num_fwd_outputs)
-        primals = self._primals(gm, real_inputs, joint)
-        workspaces = None
-        if self.measure and primals is not None:
-            times, workspaces = measure_op_times(lowered, joint, primals)
+        key = graph_key(lowered.graph, self.budget, self.solver, self.options)
+        hit = self._cached(key, lowered.graph)
+        if hit is not None:
+            schedule, plan = hit
+            graph = lowered.graph
         else:
-            times = model_op_times(lowered)
-        graph = lowered.graph.with_times(times, workspaces)
-        plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
-                                    time_limit=self.time_limit, options=self.options)
+            primals = self._primals(gm, real_inputs, joint)
+            workspaces = None
+            if self.measure and primals is not None:
+                times, workspaces = measure_op_times(lowered, joint, primals)
+            else:
+                times = model_op_times(lowered)
+            graph = lowered.graph.with_times(times, workspaces)
+            plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
+                                        time_limit=self.time_limit, options=self.options)
+            if self.cache is not None:
+                self.cache.put(key, schedule, plan)
         self.plans.append(plan)
         self.graphs.append(graph)
         return generate_modules(lowered, schedule, joint)
+
+    def _cached(self, key: str, graph: RematGraph) -> tuple[Schedule, Plan] | None:
+        """A cached schedule for this graph, checked by the simulator (NOTE [ Plan cache ])."""
+        if self.cache is None:
+            return None
+        found = self.cache.get(key)
+        if found is None:
+            return None
+        schedule, plan = found
+        try:
+            simulate(graph, schedule)
+        except (ScheduleError, IndexError) as exc:
+            log.warning("ignoring a cached plan that does not fit this graph: %s", exc)
+            return None
+        return schedule, dataclasses.replace(plan, cache_hit=True, solve_time_s=0.0)
 
     @staticmethod
     def _primals(gm: fx.GraphModule, real_inputs: list[Any], joint: fx.GraphModule
@@ -121,8 +154,8 @@ class RematBackend:
 
 
 def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
-            time_limit: float = 60.0, measure: bool = True, options: dict | None = None
-            ) -> RematBackend:
+            time_limit: float = 60.0, measure: bool = True, options: dict | None = None,
+            cache: PlanCache | None = None) -> RematBackend:
     """A ``torch.compile`` backend that keeps each graph's activation peak under ``budget``.
 
     Args:
@@ -131,6 +164,7 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
         time_limit: Seconds each solve may take; the best schedule found by then is used.
         measure: Time ops on the real example inputs (default) or model them from FLOPs.
         options: Solver-specific options.
+        cache: A :class:`remat.PlanCache`: graphs solved before are not solved again.
 
     Returns:
         A :class:`RematBackend`; after compilation its ``plans`` hold one :class:`Plan` per graph.
@@ -138,4 +172,5 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
     Example:
         >>> model = torch.compile(model, backend=remat.backend(budget="50%"))
     """
-    return RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure, options=options)
+    return RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
+                        options=options, cache=cache)

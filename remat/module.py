@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Iterator
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend
 from .budget import Budget
+from .cache import PlanCache
 from .errors import CaptureError, RematError
 from .plan import Plan
 
@@ -177,6 +179,7 @@ def rematerialize(
     time_limit: float = 60.0,
     measure: bool = True,
     options: dict | None = None,
+    cache: PlanCache | str | None = None,
     **example_kwargs: Any,
 ) -> RematModule:
     """Return an equivalent module whose training step keeps activation memory under ``budget``.
@@ -197,6 +200,8 @@ def rematerialize(
         time_limit: Seconds the solver may spend; the best schedule found by then is used.
         measure: Time ops on the example (default) or model them from FLOPs and bytes.
         options: Solver-specific options.
+        cache: A :class:`remat.PlanCache` (or a directory for one): a graph solved before with
+            the same settings is not profiled or solved again.
         **example_kwargs: Keyword arguments of the example call.
 
     Returns:
@@ -222,7 +227,9 @@ def rematerialize(
     if isinstance(module, RematModule):
         raise TypeError("rematerialize(module=...): this module is already a RematModule; pass "
                         "its .original to solve again with other settings")
+    if isinstance(cache, (str, os.PathLike)):
+        cache = PlanCache(cache)
     rm = RematModule(module, RematBackend(budget, solver=solver, time_limit=time_limit,
-                                          measure=measure, options=options))
+                                          measure=measure, options=options, cache=cache))
     rm.capture(*example_args, **example_kwargs)
     return rm

@@ -190,3 +190,29 @@ def test_estimate_reports_memory_without_changing_state():
     assert report.gradient_bytes == params
     assert 0 < report.lowest_peak_bytes < report.activation_peak_bytes
     assert "activation peak" in report.summary()
+
+
+def test_plan_cache_skips_solving_and_survives_a_restart(tmp_path):
+    model, args = make("gpt_manual")
+    first = remat.rematerialize(model, *args, budget="60%", cache=str(tmp_path), time_limit=TIME_LIMIT)
+    assert not first.plan.cache_hit and len(list(tmp_path.glob("*.json"))) == 1
+    torch._dynamo.reset()
+    ref, _ = make("gpt_manual")
+    again, _ = make("gpt_manual")
+    cache = remat.PlanCache(tmp_path)  # a new process would start like this
+    second = remat.rematerialize(again, *args, budget="60%", cache=cache, time_limit=TIME_LIMIT)
+    assert second.plan.cache_hit and second.plan.solve_time_s == 0.0
+    assert second.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
+    step(ref, args)
+    step(second, args)
+    for a, b in zip(grads(ref), grads(again)):
+        assert torch.equal(a, b)
+    # Another budget is another key: solved, not served from the cache.
+    torch._dynamo.reset()
+    third, _ = make("gpt_manual")
+    other = remat.rematerialize(third, *args, budget="80%", cache=cache, time_limit=TIME_LIMIT)
+    assert not other.plan.cache_hit
+    state = cache.state_dict()
+    restored = remat.PlanCache()
+    restored.load_state_dict(state)
+    assert len(restored) == 2
