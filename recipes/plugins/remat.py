@@ -1,0 +1,94 @@
+"""Plugin section ``remat:``: hierarchical rematerialization with ``HiRemateCallback``.
+
+Example (YAML)::
+
+    remat:
+      enabled: true
+      budget: 50%        # or 0.5, or "6GiB", or a byte count
+      module: net        # default: every top-level child holding parameters
+
+Paper: Gusak, Zhao, Le Hellard, Li, Eyraud-Dubois, Beaumont, "HiRemate: Hierarchical Approach for
+Efficient Re-materialization of Neural Networks", ICML 2025.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from recipes.errors import InvalidValue
+from recipes.registry import Plugin, import_callback
+
+
+@dataclass
+class RematConfig:
+    """The ``remat:`` section; the fields after ``enabled`` are ``HiRemateCallback``'s arguments.
+
+    Attributes:
+        enabled: Add the callback to the run.
+        budget: Activation-memory budget: ``"70%"`` / ``0.7`` (fraction of the unmodified
+            network's activation peak) or ``"6GiB"`` / ``"512MB"`` / an int (bytes). Checked with
+            ``remat.parse_budget`` when the recipe is loaded. YAML keeps the type:
+            ``budget: 0.7`` is a float, ``budget: 70%`` a string; both mean the same.
+        module: Which LightningModule attribute(s) to rematerialize: ``null`` (every top-level
+            child holding parameters, i.e. ``net`` in the recipe tasks), a name, or a list of names.
+        solver: The solver name, passed through (``HiRemateCallback`` checks it).
+        time_limit: Seconds the solver may take (> 0).
+        cache_dir: Directory of the plan cache, or ``null``.
+        strict: Raise (instead of warning and training unmodified) when the network cannot be
+            captured.
+        verbose: Log the callback's summary table.
+    """
+
+    enabled: bool = False
+    budget: Any = "70%"
+    module: Any = None
+    solver: str = "hierarchical"
+    time_limit: float = 60.0
+    cache_dir: Optional[str] = None
+    strict: bool = False
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        from remat import parse_budget  # lazy: keeps the plugin module cheap to import
+
+        try:
+            parse_budget(self.budget)
+        except ValueError as e:
+            # parse_budget's message starts with "budget=<value>: "; the loader adds the key.
+            reason = str(e)
+            prefix = f"budget={self.budget!r}: "
+            raise InvalidValue(
+                "budget", self.budget, reason[len(prefix):] if reason.startswith(prefix) else reason
+            ) from e
+        module = self.module
+        names = [module] if isinstance(module, str) else module
+        names_ok = isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)
+        if module is not None and not names_ok:
+            raise InvalidValue(
+                "module", module,
+                "expected null (auto), an attribute name such as net, or a list of names",
+            )
+        if not self.time_limit > 0:
+            raise InvalidValue("time_limit", self.time_limit, "expected a number of seconds > 0")
+
+
+def make_callback(cfg: RematConfig) -> Any:
+    """Build ``HiRemateCallback`` from the section (called only when ``cfg.enabled``)."""
+    callback_cls = import_callback("remat", "HiRemateCallback")
+    return callback_cls(
+        cfg.budget,
+        module=cfg.module,
+        solver=cfg.solver,
+        time_limit=cfg.time_limit,
+        cache_dir=cfg.cache_dir,
+        strict=cfg.strict,
+        verbose=cfg.verbose,
+    )
+
+
+PLUGIN = Plugin(
+    config=RematConfig,
+    make_callback=make_callback,
+    order=100,  # last: captures the network after plugins that replace layers or activations
+    description="HiRemate rematerialization under an activation-memory budget (HiRemateCallback)",
+)

@@ -1,0 +1,219 @@
+"""Task and plugin registries, discovered from the files in ``recipes/tasks/`` and ``recipes/plugins/``.
+
+A *task* is a model + data + training step (``gpt_lm``, ``digits_cnn``); a recipe picks one with
+``task: <name>``. A *plugin* is an optional callback section of every recipe (``remat:``,
+``fewbit:``, ...) that is off unless ``enabled: true``. Both are found by module name, so adding
+one is adding one file; nothing shared is edited (see ``recipes/README.md``).
+
+NOTE [ Discovery by module name ]
+    ``available_tasks()`` lists the modules of ``recipes.tasks`` without importing them (names
+    starting with ``_`` are private helpers and skipped); ``get_task(name)`` imports only the one
+    asked for, so a task whose optional dependency is missing cannot break the others. Plugins are
+    all imported when the schema is built (each one is a section of every recipe), which is why a
+    plugin module must stay cheap: dataclasses only, with the callback imported inside
+    ``make_callback``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from recipes.errors import RecipeError
+
+__all__ = [
+    "Task",
+    "Plugin",
+    "available_tasks",
+    "get_task",
+    "available_plugins",
+    "get_plugin",
+    "all_plugins",
+    "import_callback",
+    "closest",
+    "suggest",
+]
+
+_TASKS_PACKAGE = "recipes.tasks"
+_PLUGINS_PACKAGE = "recipes.plugins"
+# Third-party modules whose absence means the recipes extra is not installed.
+_RECIPES_EXTRA_MODULES = frozenset({"lightning", "omegaconf", "sklearn", "tqdm"})
+_INSTALL_HINT = 'pip install "hiremate[recipes]"'
+
+
+@dataclass(frozen=True)
+class Task:
+    """What ``recipes/tasks/<name>.py`` exports as ``TASK``.
+
+    Attributes:
+        model: Dataclass type of the recipe's ``model:`` section.
+        data: Dataclass type of the recipe's ``data:`` section.
+        build: ``build(model_cfg, data_cfg, optim_cfg) -> (LightningModule, LightningDataModule)``.
+            The LightningModule holds the network (a plain ``nn.Module``) as ``self.net``.
+        description: One line for ``python -m recipes.run --list``.
+        name: Filled in by the registry from the module name; leave it empty.
+    """
+
+    model: type
+    data: type
+    build: Callable[[Any, Any, Any], tuple[Any, Any]]
+    description: str
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """What ``recipes/plugins/<section>.py`` exports as ``PLUGIN``.
+
+    Attributes:
+        config: Dataclass type of the section; its first field is ``enabled: bool = False``.
+        make_callback: ``make_callback(cfg) -> lightning.Callback``; called only when
+            ``cfg.enabled``, before the model is built (so the callback's own argument checks
+            fail before any training).
+        order: Callbacks are passed to the Trainer sorted by ``(order, name)``; Lightning runs their
+            hooks in that order. Plugins that replace layers or activations use an order < 100 so
+            that ``remat`` (order 100) captures the network they produced.
+        description: One line for ``python -m recipes.run --list``.
+        name: Filled in by the registry from the module name; leave it empty.
+    """
+
+    config: type
+    make_callback: Callable[[Any], Any]
+    order: int = 50
+    description: str = ""
+    name: str = ""
+
+
+def closest(word: str, choices: list[str]) -> str | None:
+    """The choice closest to ``word`` (difflib ratio >= 0.6), or ``None``."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def suggest(word: str, choices: list[str]) -> str:
+    """Return ``"; did you mean 'x'?"`` for the closest choice, or ``""`` when none is close."""
+    best = closest(word, choices)
+    return f"; did you mean {best!r}?" if best else ""
+
+
+def _module_names(package: str) -> list[str]:
+    pkg = importlib.import_module(package)
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
+def _import(package: str, name: str) -> Any:
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in _RECIPES_EXTRA_MODULES:
+            raise RecipeError(
+                f"{package}.{name} needs the optional dependency {e.name!r}: {_INSTALL_HINT}"
+            ) from e
+        raise
+
+
+def available_tasks() -> list[str]:
+    """Names of the tasks a recipe may select with ``task: <name>``, sorted."""
+    return _module_names(_TASKS_PACKAGE)
+
+
+def get_task(name: str) -> Task:
+    """Return the task registered as ``recipes/tasks/<name>.py``.
+
+    Raises:
+        RecipeError: if there is no such task; the message lists the available ones.
+    """
+    names = available_tasks()
+    if name not in names:
+        raise RecipeError(
+            f"task={name!r}: unknown task{suggest(str(name), names) or '.'} Available tasks: "
+            f"{', '.join(names)}. To add one, create recipes/tasks/<name>.py defining "
+            "TASK = Task(...) (see recipes/README.md)."
+        )
+    task = getattr(_import(_TASKS_PACKAGE, name), "TASK", None)
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"recipes/tasks/{name}.py must define TASK = recipes.registry.Task(...); "
+            f"found {type(task).__name__}"
+        )
+    for section in ("model", "data"):
+        if not dataclasses.is_dataclass(getattr(task, section)):
+            raise TypeError(f"recipes/tasks/{name}.py: TASK.{section} must be a dataclass type")
+    return dataclasses.replace(task, name=name)
+
+
+def available_plugins() -> list[str]:
+    """Names of the plugin sections every recipe has (``remat``, ...), sorted."""
+    return _module_names(_PLUGINS_PACKAGE)
+
+
+def get_plugin(name: str) -> Plugin:
+    """Return the plugin registered as ``recipes/plugins/<name>.py``.
+
+    Raises:
+        RecipeError: if there is no such plugin; the message lists the available ones.
+    """
+    names = available_plugins()
+    if name not in names:
+        raise RecipeError(
+            f"plugin {name!r}: unknown plugin section{suggest(str(name), names) or '.'} Available "
+            f"plugins: {', '.join(names)}. To add one, create recipes/plugins/<section>.py defining "
+            "PLUGIN = Plugin(...) (see recipes/README.md)."
+        )
+    plugin = getattr(_import(_PLUGINS_PACKAGE, name), "PLUGIN", None)
+    if not isinstance(plugin, Plugin):
+        raise TypeError(
+            f"recipes/plugins/{name}.py must define PLUGIN = recipes.registry.Plugin(...); "
+            f"found {type(plugin).__name__}"
+        )
+    fields = dataclasses.fields(plugin.config) if dataclasses.is_dataclass(plugin.config) else ()
+    enabled = next((f for f in fields if f.name == "enabled"), None)
+    if enabled is None or enabled.default is not False:
+        raise TypeError(
+            f"recipes/plugins/{name}.py: PLUGIN.config must be a dataclass with a field "
+            "`enabled: bool = False` (plugins are off unless a recipe enables them)"
+        )
+    return dataclasses.replace(plugin, name=name)
+
+
+def all_plugins() -> dict[str, Plugin]:
+    """Every registered plugin, by section name (sorted)."""
+    return {name: get_plugin(name) for name in available_plugins()}
+
+
+def import_callback(section: str, class_name: str) -> type:
+    """Import ``class_name`` from :mod:`integrations.lightning` for the plugin ``section``.
+
+    Args:
+        section: The recipe section asking for it (``"remat"``), for the message.
+        class_name: The callback's public name (``"HiRemateCallback"``).
+
+    Returns:
+        The callback class.
+
+    Raises:
+        RecipeError: when the callback (or Lightning) cannot be imported, with the reason and the
+            way out (install the extra, or disable the section).
+    """
+    try:
+        lightning_api = importlib.import_module("integrations.lightning")
+        return getattr(lightning_api, class_name)
+    except ModuleNotFoundError as e:
+        root = (e.name or "").split(".")[0]
+        hint = (
+            _INSTALL_HINT
+            if root in _RECIPES_EXTRA_MODULES
+            else "this hiremate checkout does not provide it yet"
+        )
+        raise RecipeError(
+            f"{section}.enabled=true needs integrations.lightning.{class_name}, which cannot be "
+            f"imported ({e}); {hint}, or set {section}.enabled=false"
+        ) from e
+    except (ImportError, AttributeError) as e:
+        raise RecipeError(
+            f"{section}.enabled=true needs integrations.lightning.{class_name}, which cannot be "
+            f"imported ({e}); set {section}.enabled=false or fix the import"
+        ) from e

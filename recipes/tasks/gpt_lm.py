@@ -1,0 +1,143 @@
+"""Task ``gpt_lm``: a byte-level GPT trained on CPython's stdlib sources.
+
+Reports ``train_loss`` every step and, on validation, ``val_loss`` (mean next-byte cross-entropy in
+nats), ``val_ppl`` (its exponential) and ``val_bpb`` (bits per byte). A uniform guess over 256 bytes
+scores ``val_loss = ln 256 = 5.55``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+from torch.nn import functional as F
+
+from recipes.data.stdlib_text import (
+    DEFAULT_STDLIB_FILES,
+    StdlibTextDataModule,
+    missing_stdlib_files,
+    stdlib_dir,
+)
+from recipes.errors import InvalidValue
+from recipes.models.gpt import GPT
+from recipes.module import RecipeModule
+from recipes.optim import OptimConfig
+from recipes.registry import Task
+
+VOCAB_SIZE = 256  # byte-level
+
+
+@dataclass
+class GPTModelConfig:
+    """The ``model:`` section of ``gpt_lm`` (see :class:`recipes.models.gpt.GPT`).
+
+    Attributes:
+        block_size: Context length in bytes; also the length of every training sequence.
+        n_layer: Transformer blocks.
+        n_head: Attention heads (must divide ``n_embd``).
+        n_embd: Residual width.
+        dropout: Dropout probability in [0, 1).
+        bias: Biases in Linear and LayerNorm layers.
+        tie_weights: Share the head's weight with the token embedding.
+    """
+
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.1
+    bias: bool = True
+    tie_weights: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) < 1:
+                raise InvalidValue(key, getattr(self, key), "expected an int >= 1")
+        if self.n_embd % self.n_head:
+            raise InvalidValue(
+                "n_embd", self.n_embd, f"expected a multiple of model.n_head={self.n_head}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise InvalidValue("dropout", self.dropout, "expected a float in [0, 1)")
+
+
+@dataclass
+class GPTDataConfig:
+    """The ``data:`` section of ``gpt_lm`` (see :class:`recipes.data.StdlibTextDataModule`).
+
+    Attributes:
+        batch_size: Sequences per step.
+        val_fraction: Share of the text (its end) held out for validation, in (0, 1).
+        files: Stdlib files (relative to ``sysconfig.get_paths()["stdlib"]``) read in order.
+        shuffle_seed: Seed of the training-window order.
+    """
+
+    batch_size: int = 16
+    val_fraction: float = 0.1
+    files: List[str] = field(default_factory=lambda: list(DEFAULT_STDLIB_FILES))
+    shuffle_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise InvalidValue("batch_size", self.batch_size, "expected an int >= 1")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise InvalidValue("val_fraction", self.val_fraction, "expected a float in (0, 1)")
+        if not self.files:
+            raise InvalidValue("files", list(self.files), "expected at least one stdlib file name")
+        missing = missing_stdlib_files(self.files)
+        if missing:
+            raise InvalidValue(
+                "files", list(self.files),
+                f"{', '.join(missing)} not found under {stdlib_dir()}; list files that exist there",
+            )
+
+
+class GPTLanguageModel(RecipeModule):
+    """Next-byte prediction with cross-entropy; ``self.net`` is a :class:`GPT`."""
+
+    def training_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:  # noqa: D102 - Lightning hook
+        self._val_nll = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._val_tokens = 0
+
+    def validation_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
+        x, y = batch
+        logits = self.net(x)
+        nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+        self._val_nll += nll.double()
+        self._val_tokens += y.numel()
+
+    def on_validation_epoch_end(self) -> None:  # noqa: D102 - Lightning hook
+        loss = (self._val_nll / max(1, self._val_tokens)).float()
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_ppl", torch.exp(loss), sync_dist=True)
+        self.log("val_bpb", loss / math.log(2.0), sync_dist=True)
+
+
+def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
+    """Build the ``gpt_lm`` LightningModule and DataModule."""
+    net = GPT(
+        vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
+        n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout, bias=model.bias,
+        tie_weights=model.tie_weights,
+    )
+    datamodule = StdlibTextDataModule(
+        block_size=model.block_size, batch_size=data.batch_size, val_fraction=data.val_fraction,
+        files=data.files, shuffle_seed=data.shuffle_seed,
+    )
+    return GPTLanguageModel(net, optim=optim), datamodule
+
+
+TASK = Task(
+    model=GPTModelConfig,
+    data=GPTDataConfig,
+    build=build,
+    description="byte-level GPT (pre-LN, causal attention) on CPython stdlib sources; val loss/ppl",
+)
