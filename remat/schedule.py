@@ -57,7 +57,8 @@ class Simulation:
         forward_peak_bytes: Peak during forward.
         backward_peak_bytes: Peak during backward (tangents, saved values, recomputations,
             gradients).
-        saved_bytes: Bytes held from forward to backward (storages, counted once).
+        saved_bytes: Bytes of the saved values' storages (counted once; model outputs, which
+            the caller holds anyway, excluded).
         time: Predicted step time in seconds (forward + backward incl. recomputation).
         recompute_time: Seconds spent recomputing forward ops in backward.
         peak_at: ``("fwd", k)`` / ``("bwd", k)``: position of the peak in its op list.
@@ -178,15 +179,15 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
         if owner >= 0:
             storage_death[owner] = max(storage_death.get(owner, -1), inst_death[inst])
     delta = [0] * (end + 2)
-    saved_bytes = 0
     for owner, death in storage_death.items():
         nbytes = values[inst_value[owner]].nbytes
         if nbytes == 0:
             continue
         delta[inst_birth[owner]] += nbytes
         delta[death + 1] -= nbytes
-        if inst_birth[owner] < boundary < death:
-            saved_bytes += nbytes
+    root = graph.storage_root
+    pinned = {root[v] for v in user_outputs}
+    saved_bytes = sum(values[r].nbytes for r in {root[v] for v in schedule.saved} - pinned)
     live = [0] * (end + 1)
     running = 0
     for pos in range(end + 1):

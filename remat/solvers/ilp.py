@@ -169,14 +169,16 @@ class _Model:
         self.K = K = [{v: binary(f"K_{t}_{v}") for v in sorted(self.cand_vals[t])} for t in range(n)]
         self.R = R = [{i: binary(f"R_{t}_{i}") for i in sorted(self.cand_ops[t])} for t in range(n)]
 
-        # Numerics: times in microseconds, bytes in KiB rounded up (right-hand sides rounded
-        # down), so the MIP's coefficients stay in a range its tolerances handle; the rounding
-        # only makes the model more conservative.
+        # Numerics: times in microseconds, bytes in units of budget/1e7 rounded up (right-hand
+        # sides rounded down), so the MIP's coefficients stay in a range its tolerances handle;
+        # the rounding only makes the model more conservative (by < 0.1% of the budget).
+        unit = max(1, budget // 10_000_000)
+
         def kib(nbytes: int) -> int:
-            return -(-int(nbytes) // 1024)
+            return -(-int(nbytes) // unit)
 
         def cap(nbytes: int) -> int:
-            return int(nbytes) // 1024
+            return int(nbytes) // unit
 
         def made(t: int, v: int):
             """R[t, producer(v)] if that variable exists, else None."""

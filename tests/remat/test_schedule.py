@@ -1,0 +1,88 @@
+"""The simulator and schedule builders on hand-built graphs (no tracing)."""
+import pytest
+
+import remat
+from remat.liveness import peak_lower_bound
+from remat.schedule import Schedule, on_demand_schedule, remake_views, save_all_schedule, simulate, tidy
+
+from .graphs import chain
+
+A, D = 100, 10  # activation bytes, weight-gradient bytes (see graphs.chain)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_save_all_peak_by_hand(n):
+    graph = chain([1.0] * n, act=A, grad=D)
+    sim = simulate(graph, save_all_schedule(graph))
+    # Forward keeps a1..an; the first backward op adds the tangent, da_{n-1} and dw_n.
+    assert sim.forward_peak_bytes == n * A
+    assert sim.peak_bytes == (n + 2) * A + D
+    assert sim.saved_bytes == (n - 1) * A
+    assert sim.recompute_time == 0.0
+    assert sim.time == pytest.approx(3.0 * n)
+
+
+def test_recomputing_trades_time_for_memory():
+    graph = chain([1.0, 5.0, 1.0], act=A, grad=D)
+    # Keep a2 only: b2 then needs a1 again, recomputed from x right before it.
+    schedule = on_demand_schedule(graph, saved={graph.values.index(next(
+        v for v in graph.values if v.name == "a2"))})
+    sim = simulate(graph, schedule)
+    assert sim.recompute_time == pytest.approx(1.0)  # f1 once
+    # b3 no longer holds a1 (4A + D); the peak moves to b2: a3 (output), da2, the recomputed
+    # a1, da1 and two weight gradients.
+    assert sim.peak_bytes == 4 * A + 2 * D
+    assert schedule.recompute_count(graph) == 1
+
+
+def test_missing_value_is_rejected_with_its_name():
+    graph = chain([1.0, 1.0, 1.0])
+    everything = save_all_schedule(graph)
+    broken = Schedule(everything.forward, frozenset(), everything.backward)
+    with pytest.raises(remat.ScheduleError, match="reads 'a2'"):
+        simulate(graph, broken)
+
+
+def test_backward_op_twice_or_missing_is_rejected():
+    graph = chain([1.0, 1.0])
+    s = save_all_schedule(graph)
+    with pytest.raises(remat.ScheduleError, match="twice"):
+        simulate(graph, Schedule(s.forward, s.saved, s.backward + s.backward[-1:]))
+    with pytest.raises(remat.ScheduleError, match="missing"):
+        simulate(graph, Schedule(s.forward, s.saved, s.backward[:-1]))
+
+
+def test_random_ops_are_never_recomputed():
+    import dataclasses
+
+    graph = chain([1.0, 1.0, 1.0])
+    ops = list(graph.ops)
+    ops[0] = dataclasses.replace(ops[0], recomputable=False)
+    graph = dataclasses.replace(graph, ops=tuple(ops))
+    bad = Schedule((0, 1, 2), frozenset(), (0, *graph.backward_ops))
+    with pytest.raises(remat.ScheduleError, match="may not be recomputed"):
+        simulate(graph, bad)
+    # The builders keep a random op's outputs instead of recomputing it.
+    schedule = on_demand_schedule(graph, saved=frozenset())
+    assert graph.values.index(next(v for v in graph.values if v.name == "a1")) in schedule.saved
+    simulate(graph, schedule)
+
+
+def test_a_saved_view_keeps_its_whole_base_alive():
+    graph = chain([1.0] * 4, act=A, grad=D, view_every=1)
+    sim = simulate(graph, save_all_schedule(graph))
+    # Views cost nothing of their own, and the storages are the same as without views.
+    assert sim.peak_bytes == simulate(chain([1.0] * 4, act=A, grad=D),
+                                      save_all_schedule(chain([1.0] * 4, act=A, grad=D))).peak_bytes
+    # Saving nothing but views still remakes them from bases that must be recomputed.
+    schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, saved=frozenset())))
+    assert simulate(graph, schedule).recompute_time > 0
+
+
+def test_lower_bound_is_below_every_schedule():
+    graph = chain([1.0] * 6, act=A, grad=D)
+    bound = peak_lower_bound(graph)
+    for saved in (frozenset(), save_all_schedule(graph).saved):
+        assert bound <= simulate(graph, on_demand_schedule(graph, saved)).peak_bytes
+    # At b2: a6 (kept by the caller), da2 in, da1 out, dw6..dw2, and b2 reads a1.
+    assert bound == 4 * A + 5 * D
