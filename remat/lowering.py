@@ -176,9 +176,14 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
         value_nodes.append(node)
         return value_of[node]
 
+    # Like PyTorch's default partitioner, untagged nodes traced after the last forward-tagged one
+    # belong to backward (a custom autograd.Function's backward is traced without tags, and its
+    # tangent-free ops, e.g. unpacking saved codes, must not be hoisted into forward).
+    last_forward = max((k for k, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"),
+                       default=-1)
     backward_nodes: set[fx.Node] = set()
     op_candidates: list[fx.Node] = []
-    for node in nodes:
+    for position, node in enumerate(nodes):
         if node.op == "placeholder":
             if node.name.startswith("tangents"):
                 add_value(node, ValueKind.TANGENT, -1, _storage_nbytes(node.meta["val"]), None)
@@ -201,7 +206,8 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
                 continue  # an output of a multi-output op: handled with its parent
             depends_on_backward = any(a in backward_nodes for a in node.all_input_nodes)
             tag = node.meta.get("partitioner_tag")
-            if depends_on_backward or tag == "is_backward":
+            if depends_on_backward or tag == "is_backward" or (
+                    tag is None and position > last_forward):
                 backward_nodes.add(node)
             op_candidates.append(node)
 
