@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
     parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.layers, args.d_model, args.seq, args.vocab, args.batch = 2, 64, 64, 128, 4
         args.budgets, args.steps = [100, 50], 3
