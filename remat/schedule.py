@@ -284,6 +284,8 @@ def on_demand_schedule(
     graph: RematGraph,
     saved: frozenset[int] | set[int],
     groups: list[list[int]] | None = None,
+    *,
+    keep_recomputed: bool = True,
 ) -> Schedule:
     """Backward in its usual order, recomputing missing forward values right before first use.
 
@@ -338,11 +340,15 @@ def on_demand_schedule(
             order.append(i)
             available.update(graph.ops[i].outputs)
 
+    base = set(available)
     for b in graph.backward_ops:
         op = graph.ops[b]
         ensure([v for v in op.inputs if 0 <= producer[v] < nf])
         order.append(b)
+        if not keep_recomputed:
+            available = set(base)
         available.update(op.outputs)
+        base.update(op.outputs)
     saved_frozen = frozenset(saved)
     return Schedule(
         forward=forward_ops_needed(graph, saved_frozen), saved=saved_frozen, backward=tuple(order)

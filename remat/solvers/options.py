@@ -5,9 +5,10 @@ For a block (a sub-problem cut out with :func:`remat.subgraph.extract_subgraph`)
 which of its activations the first forward keeps for backward, and how its backward runs
 (backward ops plus the recomputations they need). Each option is priced by simulating it on the
 block alone: bytes kept, forward peak, backward peak, backward time. We always offer "keep
-everything" and "keep nothing" (recompute from the block's inputs, like
-``torch.utils.checkpoint``), and in between the exact ILP's answers under a grid of limits on the
-bytes kept (Rockmate's approach, with an explicit Pareto filter instead of a heuristic spread).
+everything", "keep nothing" (recompute from the block's inputs, like ``torch.utils.checkpoint``)
+and "least memory" (recompute for every backward op anew, freeing as it goes), and in between the exact ILP's answers under a grid of limits on the
+bytes kept and a grid of limits on the block's own peak (Rockmate's approach, with an explicit
+Pareto filter instead of a heuristic spread).
 Identical blocks (same ops, shapes and structure) share one solve (:func:`block_signature`).
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Limits on the bytes a block keeps, as fractions of what keeping everything keeps.
 SAVE_GRID = (0.0, 0.15, 0.3, 0.5, 0.75)
+# Limits on a block's own peak, as fractions of its peak when it keeps everything.
+PEAK_GRID = (0.5, 0.7, 0.85)
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,8 @@ def pareto(options: list[BlockOption]) -> tuple[BlockOption, ...]:
 
 
 def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: int = 20_000,
-                  save_grid: tuple[float, ...] = SAVE_GRID, use_ilp: bool = True) -> BlockOptions:
+                  save_grid: tuple[float, ...] = SAVE_GRID, peak_grid: tuple[float, ...] = PEAK_GRID,
+                  use_ilp: bool = True) -> BlockOptions:
     """Compute the options of a block. See NOTE [ Block options ].
 
     Args:
@@ -134,6 +138,7 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
         time_limit: Seconds for each ILP solve (the best incumbent is used after that).
         max_variables: Skip the ILP options for blocks whose model would be larger.
         save_grid: Limits on bytes kept, as fractions of keeping everything.
+        peak_grid: Limits on the block's peak, as fractions of its peak when keeping everything.
         use_ilp: Compute the in-between options with the ILP (else only "all" and "none").
 
     Returns:
@@ -142,20 +147,27 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
     everything = save_all_schedule(sub)
     candidates = [option_from_schedule(sub, "all", everything)]
     candidates.append(option_from_schedule(sub, "none", on_demand_schedule(sub, frozenset())))
+    candidates.append(option_from_schedule(
+        sub, "least-memory", on_demand_schedule(sub, frozenset(), keep_recomputed=False)))
     full_saved = candidates[0].saved_bytes
     if use_ilp and full_saved > 0 and any(0.0 < f < 1.0 for f in save_grid):
         model = _Model(sub, 0)
         if model.num_variables <= max_variables and model.stages:
             ceiling = candidates[0].backward_peak + candidates[1].backward_peak + \
                 candidates[0].forward_peak
-            for frac in save_grid:
-                if not 0.0 <= frac < 1.0:
-                    continue
-                result = ILPSolver().solve(Problem(
-                    sub, ceiling, time_limit=time_limit,
-                    options={"save_budget": int(frac * full_saved), "max_variables": max_variables}))
+            limits = [(f"kept<={100 * f:.0f}%", ceiling, int(f * full_saved))
+                      for f in save_grid if 0.0 <= f < 1.0]
+            # Low-peak options: the least time under a limit on the block's own peak (what the
+            # parent needs when memory is tight), as in Rockmate's two-dimensional grid.
+            top = max(candidates[0].backward_peak, candidates[0].forward_peak)
+            limits += [(f"peak<={100 * f:.0f}%", int(f * top), None) for f in peak_grid]
+            for name, peak, kept in limits:
+                options = {"max_variables": max_variables}
+                if kept is not None:
+                    options["save_budget"] = kept
+                result = ILPSolver().solve(Problem(sub, peak, time_limit=time_limit, options=options))
                 if result.schedule is not None and result.status != "infeasible":
-                    candidates.append(option_from_schedule(sub, f"ilp<={100 * frac:.0f}%", result.schedule))
+                    candidates.append(option_from_schedule(sub, f"ilp:{name}", result.schedule))
     # A forward that keeps nothing still keeps what random ops drew (the "none" option's saves).
     nosave = forward_ops_needed(sub, frozenset())
     keep_nothing = candidates[1]
