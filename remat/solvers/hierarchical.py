@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _SLOTS = 600
 _TOP_ILP_VARIABLES = 4_000  # graphs whose whole ILP is this small are also solved exactly
+_TOP_ILP_SHARE = 0.25  # of the time limit, for that exact solve (it finds its optimum early)
 _INNER_SLOTS = 200
 _HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
 
@@ -66,8 +67,9 @@ class HierarchicalSolver:
             remaining = deadline - time.perf_counter()
             if remaining > 2.0 and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES:
                 # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
-                found.append(ILPSolver().solve(Problem(graph, problem.budget_bytes,
-                                                       time_limit=0.8 * remaining)))
+                found.append(ILPSolver().solve(Problem(
+                    graph, problem.budget_bytes,
+                    time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit))))
         feasible = [r for r in found if r.schedule is not None and r.status != "infeasible"]
         if feasible:
             best = min(feasible, key=lambda r: r.simulation.time)
