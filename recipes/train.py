@@ -93,6 +93,10 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
     Raises:
         RecipeError: for settings rejected by a callback or by Lightning.
     """
+    if getattr(getattr(recipe, "accelerate", None), "enabled", False):
+        from recipes.accelerate_run import run_recipe_accelerate
+
+        return run_recipe_accelerate(recipe, printer=printer)
     task = get_task(recipe.task)
     stats = RunStats(print_every_n_steps=recipe.trainer.print_every_n_steps, printer=printer)
     trainer = build_trainer(recipe.trainer, build_callbacks(recipe) + [stats])

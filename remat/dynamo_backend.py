@@ -77,6 +77,7 @@ class RematBackend:
         self.cache = cache
         self.plans: list[Plan] = []
         self.graphs: list[RematGraph] = []  # the solved graphs, parallel to `plans`
+        self.lenient = False  # after pin(): over-budget new shapes warn instead of raising
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -110,12 +111,21 @@ class RematBackend:
                 times = model_op_times(lowered)
             graph = lowered.graph.with_times(times, workspaces)
             plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
-                                        time_limit=self.time_limit, options=self.options)
+                                        time_limit=self.time_limit, options=self.options,
+                                        over_budget="lowest" if self.lenient else "raise")
             if self.cache is not None:
                 self.cache.put(key, schedule, plan)
         self.plans.append(plan)
         self.graphs.append(graph)
         return generate_modules(lowered, schedule, joint)
+
+    def pin(self, plan: Plan) -> None:
+        """Fix a fraction budget to ``plan``'s bytes for the graphs compiled from now on, and
+        let a graph that cannot fit run with its lowest-peak schedule (with a warning)."""
+        if self.budget.fraction is not None:
+            self.budget = Budget(bytes=plan.budget_bytes,
+                                 text=f"{self.budget} of the example = {plan.budget_bytes} bytes")
+        self.lenient = True
 
     def _cached(self, key: str, graph: RematGraph) -> tuple[Schedule, Plan] | None:
         """A cached schedule for this graph, checked by the simulator (NOTE [ Plan cache ])."""

@@ -1,5 +1,12 @@
 """``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
 
+NOTE [ Later input shapes ]
+A new input shape (the last, short batch) or mode is captured and solved again. A fraction budget
+is resolved once, on the example batch: later shapes get the same budget in bytes (what a user
+means is a memory limit for the run; 50% of a short batch's own, gradient-heavy baseline can be
+infeasible). If a later shape still cannot fit, it runs with the lowest-peak schedule found and a
+warning instead of failing in the middle of training.
+
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
 replaces (the dict entries are copied, the objects are shared), so ``state_dict`` keys are
@@ -92,7 +99,14 @@ class RematModule(nn.Module):
 
     Calls with gradients enabled run the compiled schedule (recompiled and re-solved for new
     input shapes or train/eval mode); calls without gradients run the original module.
-    See NOTE [ Sharing the original's state ].
+    See NOTE [ Later input shapes ]
+A new input shape (the last, short batch) or mode is captured and solved again. A fraction budget
+is resolved once, on the example batch: later shapes get the same budget in bytes (what a user
+means is a memory limit for the run; 50% of a short batch's own, gradient-heavy baseline can be
+infeasible). If a later shape still cannot fit, it runs with the lowest-peak schedule found and a
+warning instead of failing in the middle of training.
+
+NOTE [ Sharing the original's state ].
 
     Attributes:
         plan: The :class:`Plan` solved for the example inputs.
@@ -137,7 +151,22 @@ class RematModule(nn.Module):
         self._remat_original.training = mode
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Attributes of the original that are not submodules/parameters/buffers
+            # (``model.config``, helper methods) read through, as on the original.
+            original = self.__dict__.get("_remat_original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Frameworks set ``.training`` on every registered submodule directly (Lightning after
+        # validation); the original is not registered, so copy the flag here.
+        if self._remat_original.training != self.training:
+            self._remat_original.training = self.training
         if not torch.is_grad_enabled():
             return self._remat_original(*args, **kwargs)
         try:
@@ -231,5 +260,6 @@ def rematerialize(
         cache = PlanCache(cache)
     rm = RematModule(module, RematBackend(budget, solver=solver, time_limit=time_limit,
                                           measure=measure, options=options, cache=cache))
-    rm.capture(*example_args, **example_kwargs)
+    plan = rm.capture(*example_args, **example_kwargs)
+    rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]
     return rm

@@ -23,7 +23,8 @@ class Plan:
         predicted_overhead: Extra compute as a fraction of the unmodified step's time
             (``0.12`` = 12% more time).
         solver: Solver name.
-        status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``.
+        status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``; ``"over_budget"`` for a later
+            input shape that could not fit (its lowest-peak schedule runs, with a warning).
         solve_time_s: Seconds spent solving.
         lower_bound_bytes: No schedule can have a lower peak than this.
         baseline_time_s: Measured (or modelled) time of the unmodified step.

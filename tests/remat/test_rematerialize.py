@@ -245,3 +245,40 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
     step(rm, (x,))
     for a, b in zip(grads(ref), grads(model)):
         assert torch.equal(a, b)
+
+
+def test_training_flag_set_directly_reaches_the_original():
+    """Lightning assigns ``.training`` on registered submodules after validation."""
+    model, args = make("dropout")
+    rm = remat.rematerialize(model, *args, budget="80%", time_limit=TIME_LIMIT)
+    for m in rm.modules():
+        m.training = False
+    with torch.no_grad():
+        out = rm(*args)
+    assert not model.training
+    assert torch.equal(out, model(*args))  # dropout off in both
+
+
+def test_attributes_of_the_original_read_through():
+    model, args = make("gpt_manual")
+    rm = remat.rematerialize(model, *args, budget="80%", time_limit=TIME_LIMIT)
+    assert rm.cfg is model.cfg
+
+
+def test_later_shapes_keep_the_byte_budget_and_never_fail():
+    ref, _ = make("mlp")
+    model, _ = make("mlp")
+    batch = torch.randn(512, 32)
+    rm = remat.rematerialize(model, batch, budget="75%", time_limit=TIME_LIMIT)
+    first = rm.plan.budget_bytes
+    step(rm, (batch[:64],))  # a short last batch fits the same bytes
+    assert rm.plans[-1].budget_bytes == first and rm.plans[-1].status != "over_budget"
+    big = torch.randn(4096, 32)  # eight times the activations cannot fit: warn, run, stay exact
+    for p in model.parameters():
+        p.grad = None
+    with pytest.warns(UserWarning, match="no schedule fits"):
+        step(rm, (big,))
+    assert rm.plans[-1].status == "over_budget"
+    step(ref, (big,))
+    for a, b in zip(grads(ref), grads(model)):
+        assert torch.equal(a, b)

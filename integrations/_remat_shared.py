@@ -1,0 +1,593 @@
+"""What ``HiRemateCallback`` (Lightning) and the Accelerate integration share.
+
+Framework-free (torch and :mod:`remat` only): argument checks, drawing one example batch without
+disturbing training, recording the real call arguments of the target modules during one warmup
+forward, and solving on rank 0 then sharing the plans with every rank. Papers: HiRemate (Gusak et
+al., ICML 2025), Rockmate (Zhao et al., ICML 2023).
+
+NOTE [ A warmup step that leaves no trace ]
+    The example batch and the warmup forward must not change what the training run does next:
+    - RNG: every global generator (torch CPU and CUDA, ``random``, NumPy) is restored on exit,
+      even on error (:func:`isolated_rng`), so dropout masks and the data order stay those of the
+      unmodified run. Creating a ``DataLoader`` iterator draws a seed from the global generator,
+      so the batch is drawn inside it as well.
+    - Data: the batch comes from a *fresh* iterator of the loader (:func:`first_batch`); the
+      iterator the training loop holds is never advanced or reset. A one-shot iterable (a
+      generator) cannot be read without taking a batch from training: it is refused.
+    - Module state: buffers (BatchNorm statistics), ``.grad`` of every parameter and the state of
+      torchmetrics metrics are restored (:func:`preserved_state`).
+    The recorded arguments are detached from the warmup's autograd graph but keep their
+    ``requires_grad`` flag, shape, stride and dtype, which is what the compiled module is
+    specialised on: the first real call then reuses the captured graph instead of re-solving.
+
+NOTE [ Same plan on every rank ]
+    ``rematerialize`` times each op on the example batch; times measured on different ranks
+    differ, so independent solves could pick different schedules. Rank 0 captures and solves;
+    its :class:`remat.PlanCache` is broadcast and the other ranks capture the same graph, which
+    hits the cache (no profiling, no solve). Rank 0's failures are broadcast too, so every rank
+    takes the same decision (raise with ``strict=True``, train that target unmodified otherwise)
+    and no rank waits forever in a collective. A graph first seen later in training (a new input
+    shape, e.g. a short last batch) is solved by each rank on its own: gradients stay exact, only
+    the schedules may differ between ranks.
+
+NOTE [ A fraction budget is pinned to bytes ]
+    ``remat.rematerialize`` resolves a fraction budget on the example batch and applies the same
+    bytes to later input shapes (a short last batch), running a shape that still cannot fit with
+    its lowest-peak schedule and a warning (NOTE [ Later input shapes ] in ``remat/module.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import math
+import os
+import random
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+import remat
+from remat import Budget, CaptureError, Plan, PlanCache, RematError, RematModule, format_bytes
+
+__all__ = [
+    "CannotDrawBatch",
+    "Collectives",
+    "RematSettings",
+    "Target",
+    "TargetResult",
+    "check_settings",
+    "default_targets",
+    "first_batch",
+    "isolated_rng",
+    "preserved_state",
+    "record_first_calls",
+    "resolve_names",
+    "solve_targets",
+    "format_table",
+]
+
+_NAME = re.compile(r"^\w+(\.\w+)*$")
+
+
+class CannotDrawBatch(RuntimeError):
+    """No example batch can be read without changing what the training loop sees."""
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RematSettings:
+    """Validated settings common to the callback and the Accelerate plugin.
+
+    Attributes:
+        budget: The parsed budget (``budget.text`` is what the user wrote).
+        solver: A key of ``remat.SOLVERS``.
+        time_limit: Seconds each solve may take.
+        module: Dotted attribute paths of the modules to rematerialize, or ``None`` (default).
+        cache_dir: Directory of the on-disk plan cache, or ``None``.
+        strict: Raise instead of training unmodified when a target cannot be rematerialized.
+        verbose: Log progress lines and the summary table.
+    """
+
+    budget: Budget
+    solver: str
+    time_limit: float
+    module: tuple[str, ...] | None
+    cache_dir: str | None
+    strict: bool
+    verbose: bool
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_settings(
+    *,
+    budget: Any,
+    solver: Any,
+    time_limit: Any,
+    module: Any,
+    cache_dir: Any,
+    strict: Any,
+    verbose: Any,
+    names: Mapping[str, str] | None = None,
+) -> RematSettings:
+    """Check every setting and return them normalised.
+
+    Args:
+        budget, solver, time_limit, module, cache_dir, strict, verbose: As the user gave them.
+        names: How the user spelled each setting in messages (default: the argument name, e.g.
+            ``{"budget": "HIREMATE_BUDGET"}`` for environment variables).
+
+    Raises:
+        ValueError: a malformed budget, an unknown solver, a non-positive time limit, an empty
+            or malformed module name.
+        TypeError: a value of the wrong type (``time_limit="60"``, ``strict="yes"``, ...).
+    """
+    label = {k: k for k in ("budget", "solver", "time_limit", "module", "cache_dir", "strict",
+                            "verbose")}
+    label.update(names or {})
+    try:
+        parsed = remat.parse_budget(budget)
+    except ValueError as e:
+        message = str(e)
+        if label["budget"] != "budget" and message.startswith("budget="):
+            message = label["budget"] + message[len("budget"):]
+        raise ValueError(message) from e
+    if not isinstance(solver, str) or solver not in remat.SOLVERS:
+        raise ValueError(
+            f"{label['solver']}={solver!r}: unknown solver{_suggest(str(solver), remat.SOLVERS)}; "
+            f"expected one of {', '.join(remat.SOLVERS)} (default {remat.DEFAULT_SOLVER!r})"
+        )
+    if isinstance(time_limit, bool) or not isinstance(time_limit, Real):
+        raise TypeError(f"{label['time_limit']}={time_limit!r}: expected a number of seconds > 0, "
+                        "e.g. time_limit=60")
+    if not (math.isfinite(float(time_limit)) and time_limit > 0):
+        raise ValueError(f"{label['time_limit']}={time_limit!r}: expected a finite number of "
+                         "seconds > 0, e.g. time_limit=60")
+    names_ = _check_module(module, label["module"])
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"{label['cache_dir']}={cache_dir!r}: expected a directory path or None")
+    for key, value in (("strict", strict), ("verbose", verbose)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{label[key]}={value!r}: expected True or False")
+    return RematSettings(
+        budget=parsed, solver=solver, time_limit=float(time_limit), module=names_,
+        cache_dir=None if cache_dir is None else os.fspath(cache_dir), strict=strict,
+        verbose=verbose,
+    )
+
+
+def _check_module(module: Any, label: str) -> tuple[str, ...] | None:
+    if module is None:
+        return None
+    names = [module] if isinstance(module, str) else module
+    if not isinstance(names, (list, tuple)) or not names:
+        raise TypeError(f"{label}={module!r}: expected None (automatic), an attribute name such "
+                        "as 'net', or a list of names such as ['encoder', 'decoder']")
+    for name in names:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"{label}={module!r}: {name!r} is not an attribute path; expected "
+                             "names such as 'net' or 'model.encoder'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{label}={module!r}: a name is listed twice")
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"{label}={module!r}: {b!r} is inside {a!r}; list only one of them")
+    return tuple(names)
+
+
+# ---- targets -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """A module to rematerialize and where it hangs.
+
+    Attributes:
+        name: Dotted path from the root (``""`` for the root itself).
+        parent: The module holding it (``None`` for the root).
+        attr: Its attribute name on ``parent``.
+        module: The module.
+        explicit: Named by the user (rather than chosen automatically).
+    """
+
+    name: str
+    parent: nn.Module | None
+    attr: str
+    module: nn.Module
+    explicit: bool
+
+
+def resolve_names(root: nn.Module, names: Sequence[str], *, owner: str) -> list[Target]:
+    """The targets named by ``names`` (dotted attribute paths under ``root``).
+
+    Raises:
+        ValueError: a name that is not a submodule of ``root``, with the closest name and the
+            top-level children that hold parameters.
+    """
+    targets = []
+    for name in names:
+        *path, attr = name.split(".")
+        parent = root
+        try:
+            for part in path:
+                parent = getattr(parent, part)
+            module = getattr(parent, attr)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Module) or not isinstance(parent, nn.Module):
+            candidates = [n for n, m in root.named_children() if _has_parameters(m)]
+            every = [n for n, _ in root.named_modules() if n]
+            raise ValueError(
+                f"{owner}(module={name!r}): {type(root).__name__} has no submodule {name!r}"
+                f"{_suggest(name, every)} Top-level modules holding parameters: "
+                f"{', '.join(candidates) or '(none)'}. Pass one of them, a dotted path such as "
+                "'net.encoder', or module=None to choose every top-level module that holds "
+                "parameters and is called in the training step."
+            )
+        targets.append(Target(name, parent, attr, module, explicit=True))
+    return targets
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def default_targets(root: nn.Module) -> list[Target]:
+    """Every top-level child of ``root`` holding parameters that require grad."""
+    return [Target(name, root, name, child, explicit=False)
+            for name, child in root.named_children() if _has_parameters(child)]
+
+
+# ---- warmup without side effects -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Restore torch (CPU, CUDA), ``random`` and NumPy generators on exit, also on error."""
+    py_state = random.getstate()
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        import numpy as np
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a torch dependency in practice
+        np, np_state = None, None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+def _metric_states(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """torchmetrics ``Metric`` states (recognised by their ``_defaults`` registry)."""
+    saved = []
+    for m in module.modules():
+        defaults = getattr(m, "_defaults", None)
+        if isinstance(defaults, dict) and hasattr(m, "_update_count"):
+            names = [*defaults, "_update_count", "_computed"]
+            saved.append((m, {n: copy.deepcopy(getattr(m, n)) for n in names if hasattr(m, n)}))
+    return saved
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore ``module``'s buffers, parameter ``.grad`` s and metric states on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    metrics = _metric_states(module)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, snapshot in buffers:
+                buf.copy_(snapshot)
+        for p, grad in grads:
+            p.grad = grad
+        for m, state in metrics:
+            for name, value in state.items():
+                object.__setattr__(m, name, value)
+
+
+def first_batch(iterable: Any) -> Any:
+    """The first batch of a fresh iterator over ``iterable``.
+
+    See NOTE [ A warmup step that leaves no trace ].
+
+    A ``DataLoader`` is read through a new iterator of its own (``iter()`` on a loader with
+    persistent workers would reset the iterator the training loop holds; a subclass's
+    ``__iter__``, e.g. Accelerate's, may also move data or synchronise processes), which is
+    closed again. Seeded generators of the loader and its samplers (``generator=``) are restored
+    afterwards: the loop's own iteration then shuffles exactly as without the warmup.
+
+    Raises:
+        CannotDrawBatch: for an iterable that is its own iterator, or that is empty.
+    """
+    generators = _generators(iterable)
+    states = [g.get_state() for g in generators]
+    try:
+        return _read_first(iterable)
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a loader and its samplers draw from (seeded ``generator=`` arguments)."""
+    found: list[torch.Generator] = []
+    stack, seen = [loader], set()
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator) and all(g is not generator for g in found):
+            found.append(generator)
+        stack += [getattr(obj, name, None) for name in ("sampler", "batch_sampler")]
+    return found
+
+
+def _read_first(iterable: Any) -> Any:
+    if isinstance(iterable, torch.utils.data.DataLoader) and hasattr(iterable, "_get_iterator"):
+        iterator = iterable._get_iterator()
+    else:
+        iterator = iter(iterable)
+        if iterator is iterable:
+            raise CannotDrawBatch(
+                f"the training data is a one-shot iterator ({type(iterable).__name__}); reading an "
+                "example batch from it would remove that batch from training. Use a DataLoader "
+                "or another re-iterable object"
+            )
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise CannotDrawBatch("the training data is empty") from None
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def _detached(value: Any) -> Any:
+    def detach(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().requires_grad_(x.requires_grad)
+        return x
+    return tree_map(detach, value)
+
+
+@contextlib.contextmanager
+def record_first_calls(targets: Sequence[Target]) -> Iterator[dict[str, tuple[tuple, dict]]]:
+    """Record the ``(args, kwargs)`` of each target's first call inside the block.
+
+    Yields:
+        A dict filled as the targets are called: name -> detached ``(args, kwargs)``.
+    """
+    calls: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+    for target in targets:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = target.name) -> None:
+            if name not in calls:
+                calls[name] = (_detached(args), _detached(kwargs))
+        handles.append(target.module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---- solving -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetResult:
+    """What happened to one target.
+
+    Attributes:
+        name: Its dotted path.
+        plan: The plan solved for the warmup batch (``None`` if it trains unmodified).
+        plans: Every plan solved for it so far (one per input shape seen; updated while swapped).
+        capture_time_s: Wall time of capture + profiling + solve (or cache lookup) on this rank.
+        skipped: Why it trains unmodified, or ``""``.
+        remat_module: The :class:`remat.RematModule` swapped in (``None`` if skipped).
+    """
+
+    name: str
+    plan: Plan | None = None
+    plans: list[Plan] = field(default_factory=list)
+    capture_time_s: float = 0.0
+    skipped: str = ""
+    remat_module: RematModule | None = field(default=None, repr=False)
+
+
+@dataclass
+class Collectives:
+    """How to talk to the other ranks (the defaults suit one process).
+
+    Attributes:
+        rank: This process's global rank.
+        world_size: Number of processes.
+        broadcast: ``broadcast(obj) -> obj`` from rank 0 (called on every rank).
+        all_true: ``all_true(flag) -> bool``: whether ``flag`` holds on every rank.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    broadcast: Callable[[Any], Any] = lambda obj: obj
+    all_true: Callable[[bool], bool] = lambda flag: flag
+
+
+def _label(name: str) -> str:
+    return repr(name) if name else "the model"
+
+
+def _rematerialize(target: Target, args: tuple, kwargs: dict, settings: RematSettings,
+                   cache: PlanCache, result: TargetResult) -> None:
+    t0 = time.perf_counter()
+    rm = remat.rematerialize(
+        target.module, *args, budget=settings.budget, solver=settings.solver,
+        time_limit=settings.time_limit, cache=cache, **kwargs,
+    )
+    result.capture_time_s = time.perf_counter() - t0
+    result.remat_module = rm
+    result.plan = rm.plan
+    result.plans = rm.plans
+
+
+def solve_targets(
+    targets: Sequence[Target],
+    calls: Mapping[str, tuple[tuple, dict]],
+    settings: RematSettings,
+    cache: PlanCache,
+    *,
+    owner: str,
+    comm: Collectives | None = None,
+    info: Callable[[str], None] = lambda message: None,
+    warn: Callable[[str], None] = lambda message: None,
+) -> dict[str, TargetResult]:
+    """Rematerialize every target with its recorded call; see NOTE [ Same plan on every rank ].
+
+    Nothing is swapped here: each successful result carries its ``remat_module``.
+
+    Args:
+        targets: The targets (all of them present in ``calls``).
+        calls: Name -> the ``(args, kwargs)`` recorded for it.
+        settings: Budget, solver, ...
+        cache: The plan cache (filled on rank 0, received on the others).
+        owner: ``"HiRemateCallback"`` or ``"HiRemateAccelerator"``, for messages.
+        comm: Collectives for multi-process runs.
+        info: Logs progress lines (rank 0 only).
+        warn: Emits a warning (rank 0 only).
+
+    Returns:
+        Name -> :class:`TargetResult`.
+
+    Raises:
+        remat.RematError: with ``strict=True``, when a target cannot be rematerialized (on every
+            rank: rank 0 raises the original error, the others a ``RematError`` quoting it).
+    """
+    comm = comm or Collectives()
+    results = {t.name: TargetResult(t.name) for t in targets}
+    errors: dict[str, str] = {}
+    originals: dict[str, BaseException] = {}
+    fatal: BaseException | None = None
+    if comm.rank == 0:
+        for t in targets:
+            info(f"{owner}: capturing {_label(t.name)} and solving (budget "
+                 f"{settings.budget}, solver {settings.solver!r}, time limit "
+                 f"{settings.time_limit:g} s) ...")
+            try:
+                _rematerialize(t, *calls[t.name], settings, cache, results[t.name])
+            except CaptureError as e:
+                if e.reason == "no_grad" and not t.explicit:
+                    results[t.name].skipped = "nothing requires grad in its call"
+                    continue
+                errors[t.name], originals[t.name] = f"{type(e).__name__}: {e}", e
+            except RematError as e:
+                errors[t.name], originals[t.name] = f"{type(e).__name__}: {e}", e
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                fatal = e
+                break
+            else:
+                plan = results[t.name].plan
+                info(f"{owner}: {_label(t.name)} ready in "
+                     f"{results[t.name].capture_time_s:.1f} s ("
+                     + ("plan from the cache" if plan.cache_hit else
+                        f"solved in {plan.solve_time_s:.1f} s, {plan.status}") + ")")
+    if comm.world_size > 1:
+        payload = comm.broadcast({
+            "cache": cache.state_dict(), "errors": errors,
+            "skipped": {n: r.skipped for n, r in results.items() if r.skipped},
+            "fatal": None if fatal is None else f"{type(fatal).__name__}: {fatal}",
+        } if comm.rank == 0 else None)
+        if comm.rank != 0:
+            if payload["fatal"] is not None:
+                raise RematError(f"{owner}: rank 0 failed while solving: {payload['fatal']}")
+            cache.load_state_dict(payload["cache"])
+            errors = dict(payload["errors"])
+            for t in targets:
+                if t.name in payload["skipped"]:
+                    results[t.name].skipped = payload["skipped"][t.name]
+                elif t.name not in errors:
+                    try:
+                        _rematerialize(t, *calls[t.name], settings, cache, results[t.name])
+                    except Exception as e:  # noqa: BLE001 - every rank decides together below
+                        errors[t.name] = f"{type(e).__name__} on rank {comm.rank}: {e}"
+                        originals[t.name] = e
+                        warnings.warn(f"{owner}: {errors[t.name]}", stacklevel=2)
+                    if results[t.name].plan is not None and not results[t.name].plan.cache_hit:
+                        warnings.warn(
+                            f"{owner}: rank {comm.rank} captured a different graph for "
+                            f"{t.name!r} than rank 0 and solved its own plan; ranks may use "
+                            "different schedules (gradients are still exact)", stacklevel=2)
+        if not comm.all_true(not (set(errors) - set(payload["errors"]))):
+            # Some rank failed where rank 0 succeeded: no rank uses remat for any target (with
+            # strict=True every rank raises), so no rank is left waiting in a collective.
+            for name in results:
+                if name not in errors and not results[name].skipped:
+                    errors[name] = "another rank could not rematerialize the targets"
+    if fatal is not None:
+        raise fatal
+    for name, message in errors.items():
+        result = results[name]
+        result.remat_module, result.plan, result.plans = None, None, []
+        if settings.strict:
+            if name in originals:
+                raise originals[name]
+            raise RematError(f"{owner}: {_label(name)} cannot be rematerialized: {message}")
+        result.skipped = message
+        warn(f"{owner}: {_label(name)} trains unmodified (strict=False): {message}")
+    return results
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def format_table(results: Mapping[str, TargetResult], settings: RematSettings, *, owner: str,
+                 eager_peak_bytes: int | None = None) -> str:
+    """One table: a row per target with the plan's numbers (rank 0 logs it)."""
+    header = ("target", "baseline", "budget", "predicted peak", "overhead", "solver status",
+              "solve", "capture", "cache")
+    rows = []
+    for name, r in results.items():
+        p = r.plan
+        if p is None:
+            rows.append((name or "(model)", "-", "-", "-", "-", f"unmodified: {r.skipped[:60]}",
+                         "-", "-", "-"))
+            continue
+        rows.append((
+            name or "(model)", format_bytes(p.baseline_bytes), format_bytes(p.budget_bytes),
+            f"{format_bytes(p.predicted_peak_bytes)} ({100 * p.predicted_ratio:.0f}%)",
+            f"+{100 * p.predicted_overhead:.1f}%", f"{p.solver} ({p.status})",
+            f"{p.solve_time_s:.2f} s", f"{r.capture_time_s:.2f} s",
+            "hit" if p.cache_hit else "miss",
+        ))
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    lines = [f"{owner}: activation memory under budget {settings.budget} (predicted per step)"]
+    lines += ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+              for row in (header, *rows)]
+    if eager_peak_bytes is not None:
+        lines.append(f"  measured peak of the unmodified warmup step: "
+                     f"{format_bytes(eager_peak_bytes)} (forward + backward)")
+    return "\n".join(lines)

@@ -1,0 +1,504 @@
+"""Accelerate integration: the ``HIREMATE_*`` launcher flag, ``HiRemateAccelerator`` and a function.
+
+Three ways in, from least to most code change::
+
+    # 1. the launcher flag: no code change if the script builds a HiRemateAccelerator
+    HIREMATE_BUDGET=50% accelerate launch train.py
+
+    # 2. in the script
+    from integrations.accelerate import HiRemateAccelerator, HiRematePlugin
+    accelerator = HiRemateAccelerator(hiremate_plugin=HiRematePlugin(budget="50%"))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    # 3. keep your own Accelerator
+    model = rematerialize_for_accelerate(accelerator, model, batch, HiRematePlugin(budget="50%"))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+Accelerate rejects unknown kwargs handlers, launch-config keys and CLI flags, so the flag is a set
+of environment variables read by :meth:`HiRematePlugin.from_env`. Papers: HiRemate (Gusak et al.,
+ICML 2025), Rockmate (Zhao et al., ICML 2023).
+
+NOTE [ The example batch in prepare() ]
+    ``prepare`` needs one real batch to capture and profile the model. It reads the first batch of
+    a *fresh* iterator over the first ``DataLoader`` passed to the same ``prepare`` call (or, if
+    none, over a loader prepared earlier), inside an RNG-isolated block: the user's own iteration
+    later starts from the beginning with the same shuffle and the same random state, so training
+    is unchanged (the warmup does not consume a batch). With ``split_batches=True`` the batch is
+    cut to one process's share. The model is called with it by this convention: a mapping is
+    passed as keyword arguments (``model(**batch)``, Hugging Face style), a tensor as the only
+    argument, a tuple or list as ``(inputs, targets, ...)`` (``model(batch[0])``). For anything
+    else call :meth:`HiRemateAccelerator.rematerialize` (or :func:`rematerialize_for_accelerate`)
+    with a batch in one of these forms before ``prepare``.
+
+NOTE [ Wrapping order ]
+    The model is rematerialized *before* Accelerate prepares it: ``prepare`` then moves and wraps
+    the :class:`remat.RematModule` (DDP, mixed-precision forward), whose parameters are the
+    original ``Parameter`` objects, so an optimizer created earlier keeps training them and the
+    ``state_dict`` keys are unchanged. With ``module=None`` the returned model *is* a
+    ``RematModule`` (attributes of your class are on ``model.original``;
+    ``HiRemateAccelerator.unwrap_model`` returns the original). With ``module="name"`` only that
+    submodule is swapped, in place, and your model object stays what it was.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DistributedType,
+        broadcast_object_list,
+        find_batch_size,
+        gather_object,
+        send_to_device,
+        slice_tensors,
+    )
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "integrations.accelerate needs Accelerate; install it with "
+        'pip install "hiremate[accelerate]"'
+    ) from e
+
+import remat
+from remat import PlanCache, RematModule
+
+from integrations._remat_shared import (
+    CannotDrawBatch,
+    Collectives,
+    RematSettings,
+    Target,
+    TargetResult,
+    check_settings,
+    first_batch,
+    format_table,
+    isolated_rng,
+    preserved_state,
+    record_first_calls,
+    resolve_names,
+    solve_targets,
+)
+
+__all__ = ["ENV_VARS", "HiRematePlugin", "HiRemateAccelerator", "rematerialize_for_accelerate"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = "HiRemateAccelerator"
+
+# Environment variable -> HiRematePlugin field. HIREMATE_BUDGET switches rematerialization on.
+ENV_VARS = {
+    "HIREMATE_BUDGET": "budget",
+    "HIREMATE_SOLVER": "solver",
+    "HIREMATE_TIME_LIMIT": "time_limit",
+    "HIREMATE_MODULE": "module",
+    "HIREMATE_CACHE_DIR": "cache_dir",
+    "HIREMATE_STRICT": "strict",
+    "HIREMATE_VERBOSE": "verbose",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+# Accelerate's data-parallel modes; the others shard or replace parameters (DeepSpeed, FSDP,
+# Megatron) or run elsewhere (XLA).
+_SUPPORTED = {DistributedType.NO: "one process", DistributedType.MULTI_CPU: "DDP on CPUs",
+              DistributedType.MULTI_GPU: "DDP on GPUs"}
+
+
+@dataclass(frozen=True)
+class HiRematePlugin:
+    """Rematerialization settings for :class:`HiRemateAccelerator` (frozen, checked when built).
+
+    Args:
+        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified model's activation
+            peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
+        solver: One of ``remat.SOLVERS``.
+        time_limit: Seconds each solve may take.
+        module: ``None`` (the whole model), or the name(s) of submodules to rematerialize in
+            place (``"transformer"``, ``["encoder", "decoder"]``, dotted paths allowed).
+        cache_dir: Directory of an on-disk :class:`remat.PlanCache`: a restarted job reuses the
+            plans instead of profiling and solving again.
+        strict: Raise when the model cannot be captured or the budget is infeasible; with
+            ``False`` the model trains unmodified and the main process warns.
+        verbose: Log progress lines and the summary table (``logging``, main process only).
+
+    Raises:
+        ValueError: a malformed budget, unknown solver, non-positive time limit, bad module name.
+        TypeError: a value of the wrong type.
+
+    Example:
+        >>> HiRematePlugin(budget="50%", module="transformer")  # doctest: +SKIP
+    """
+
+    budget: Union[str, float, int] = "70%"
+    solver: str = remat.DEFAULT_SOLVER
+    time_limit: float = 60.0
+    module: Union[str, Sequence[str], None] = None
+    cache_dir: Optional[str] = None
+    strict: bool = False
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_settings", check_settings(
+            budget=self.budget, solver=self.solver, time_limit=self.time_limit,
+            module=self.module, cache_dir=self.cache_dir, strict=self.strict, verbose=self.verbose,
+        ))
+
+    @property
+    def settings(self) -> RematSettings:
+        """The validated, normalised settings."""
+        return self._settings
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["HiRematePlugin"]:
+        """The plugin described by the ``HIREMATE_*`` environment variables, or ``None``.
+
+        ``HIREMATE_BUDGET`` switches rematerialization on (``"70%"``, ``"0.7"``, ``"6GiB"``); the
+        others are optional: ``HIREMATE_SOLVER``, ``HIREMATE_TIME_LIMIT`` (seconds),
+        ``HIREMATE_MODULE`` (comma-separated names), ``HIREMATE_CACHE_DIR``, ``HIREMATE_STRICT``
+        and ``HIREMATE_VERBOSE`` (``1/0``, ``true/false``, ``yes/no``, ``on/off``).
+
+        Args:
+            environ: The variables to read (default ``os.environ``).
+
+        Returns:
+            A plugin, or ``None`` when no ``HIREMATE_*`` variable is set.
+
+        Raises:
+            ValueError: a malformed value or a misspelt variable name (e.g. ``HIREMATE_BUDGT``),
+                naming the variable; an option set without ``HIREMATE_BUDGET``.
+
+        Example:
+            ``HIREMATE_BUDGET=50% HIREMATE_SOLVER=dp accelerate launch train.py``
+        """
+        env = os.environ if environ is None else environ
+        given = {k: v for k, v in env.items() if k.startswith("HIREMATE_")}
+        for name, value in given.items():
+            if name not in ENV_VARS:
+                close = difflib.get_close_matches(name, list(ENV_VARS), n=1, cutoff=0.8)
+                if close:  # an unrelated HIREMATE_* variable of another tool is left alone
+                    raise ValueError(f"{name}={value!r}: unknown variable; did you mean "
+                                     f"{close[0]}? hiremate reads {', '.join(ENV_VARS)}")
+        given = {k: v for k, v in given.items() if k in ENV_VARS}
+        if not given:
+            return None
+        if "HIREMATE_BUDGET" not in given:
+            raise ValueError(
+                f"{', '.join(sorted(given))} is set but HIREMATE_BUDGET is not: set e.g. "
+                "HIREMATE_BUDGET=70% to turn rematerialization on, or unset the other variables"
+            )
+        kwargs: dict[str, Any] = {}
+        for name, raw in given.items():
+            key = ENV_VARS[name]
+            kwargs[key] = _parse_env(name, key, raw)
+        check_settings(**{k: kwargs.get(k, getattr(cls, k)) for k in ENV_VARS.values()},
+                       names={v: k for k, v in ENV_VARS.items()})
+        return cls(**kwargs)
+
+
+def _parse_env(name: str, key: str, raw: str) -> Any:
+    value = raw.strip()
+    if key == "time_limit":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0, e.g. "
+                             f"{name}=60") from None
+    if key in ("strict", "verbose"):
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+    if key == "module":
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if not names:
+            raise ValueError(f"{name}={raw!r}: expected comma-separated module names such as "
+                             f"{name}=transformer, or unset it to rematerialize the whole model")
+        return names
+    if key == "cache_dir":
+        return value or None
+    return value
+
+
+def _check_supported(accelerator: Accelerator) -> None:
+    kind = accelerator.distributed_type
+    if kind not in _SUPPORTED:
+        allowed = ", ".join(f"{k.value} ({v})" for k, v in _SUPPORTED.items())
+        raise ValueError(
+            f"{_OWNER}: distributed_type={kind.value} is not supported yet; supported: {allowed}. "
+            "Sharded setups (DeepSpeed, FSDP, Megatron-LM) shard or replace the parameters remat "
+            "captures: unset HIREMATE_BUDGET and use their own activation checkpointing."
+        )
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and (getattr(config, "tp_enabled", False) or
+                               getattr(config, "cp_enabled", False)):
+        raise ValueError(f"{_OWNER}: tensor/context parallelism is not supported yet; unset "
+                         "HIREMATE_BUDGET or disable it in the parallelism config")
+    backend = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
+    if backend is not None and getattr(backend, "value", backend) != "NO":
+        raise ValueError(
+            f"{_OWNER}: dynamo_backend={getattr(backend, 'value', backend)} would compile the "
+            "model a second time; remat compiles it itself. Launch without --dynamo_backend "
+            "(or pass dynamo_backend='no')."
+        )
+
+
+def _call_args(batch: Any) -> tuple[tuple, dict]:
+    """How the model is called on a batch; see NOTE [ The example batch in prepare() ]."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)) and batch:
+        return (batch[0],), {}
+    raise TypeError(
+        f"{_OWNER}: cannot call the model on a batch of type {type(batch).__name__}; pass a "
+        "mapping of keyword arguments, a tensor, or an (inputs, targets) tuple to "
+        "rematerialize_for_accelerate / HiRemateAccelerator.rematerialize"
+    )
+
+
+def _collectives(accelerator: Accelerator) -> Collectives:
+    if accelerator.num_processes <= 1:
+        return Collectives()
+
+    def broadcast(obj: Any) -> Any:
+        return broadcast_object_list([obj], from_process=0)[0]
+
+    def all_true(flag: bool) -> bool:
+        return all(gather_object([bool(flag)]))
+
+    return Collectives(rank=accelerator.process_index, world_size=accelerator.num_processes,
+                       broadcast=broadcast, all_true=all_true)
+
+
+def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
+                   settings: RematSettings, cache: PlanCache, *,
+                   device_placement: Optional[bool] = None
+                   ) -> tuple[nn.Module, dict[str, TargetResult]]:
+    """Rematerialize ``model`` (or its named submodules) on ``batch``; returns the model to use."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={type(model).__name__}: expected an nn.Module")
+    _check_supported(accelerator)
+    main = accelerator.is_main_process
+    wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
+    base = model.module if wrapped else model
+    if isinstance(base, RematModule):
+        return model, {}
+    if settings.module is None:
+        if wrapped:
+            raise TypeError(f"{_OWNER}: the model is already wrapped by DistributedDataParallel; "
+                            "rematerialize it before accelerator.prepare(...), or name the "
+                            "submodules to rematerialize with module=...")
+        targets = [Target("", None, "", base, explicit=True)]
+    else:
+        targets = resolve_names(base, settings.module, owner=_OWNER)
+    placement = accelerator.device_placement if device_placement is None else device_placement
+    if placement and not wrapped:
+        base.to(accelerator.device)
+    params = [p for p in base.parameters()]
+    device = params[0].device if params else accelerator.device
+    batch = send_to_device(batch, device)
+    args, kwargs = _call_args(batch)
+
+    def info(message: str) -> None:
+        if settings.verbose and main:
+            log.info(message)
+
+    def warn(message: str) -> None:
+        if main:
+            warnings.warn(message, stacklevel=4)
+
+    with isolated_rng(), accelerator.autocast():  # NOTE [ A warmup step that leaves no trace ]
+        if settings.module is None:
+            calls = {"": (args, kwargs)}
+        else:
+            with preserved_state(base), record_first_calls(targets) as recorded, \
+                    torch.enable_grad():
+                try:
+                    base(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - the batch convention may not fit
+                    raise TypeError(
+                        f"{_OWNER}: calling {type(base).__name__} on the example batch failed "
+                        f"({type(e).__name__}: {e}); pass a batch the model accepts to "
+                        "HiRemateAccelerator.rematerialize / rematerialize_for_accelerate "
+                        "(see NOTE [ The example batch in prepare() ])") from e
+            calls = dict(recorded)
+            missing = [t.name for t in targets if t.name not in calls]
+            if missing:
+                raise ValueError(f"{_OWNER}(module={list(settings.module)!r}): "
+                                 f"{', '.join(map(repr, missing))} was not called by the model's "
+                                 "forward on the example batch; name modules the forward runs")
+        results = solve_targets(targets, calls, settings, cache, owner=_OWNER,
+                                comm=_collectives(accelerator), info=info, warn=warn)
+    for target in targets:
+        rm = results[target.name].remat_module
+        if rm is None:
+            continue
+        if target.parent is None:
+            model = rm
+        else:
+            setattr(target.parent, target.attr, rm)
+    if settings.verbose and main:
+        log.info(format_table(results, settings, owner=_OWNER))
+    return model, results
+
+
+def rematerialize_for_accelerate(accelerator: Accelerator, model: nn.Module, batch: Any,
+                                 plugin: Optional[HiRematePlugin] = None) -> nn.Module:
+    """Rematerialize ``model`` for training with your own ``Accelerator``.
+
+    Call it before ``accelerator.prepare(model, ...)`` (see NOTE [ Wrapping order ]). Under DDP
+    call it on every process: rank 0 solves and the others reuse its plan.
+
+    Args:
+        accelerator: Your ``Accelerator`` (device, mixed precision, processes).
+        model: The model, not yet prepared (or, with ``plugin.module`` set, prepared).
+        batch: One real training batch: a mapping of keyword arguments, a tensor, or an
+            ``(inputs, targets, ...)`` tuple (see NOTE [ The example batch in prepare() ]).
+        plugin: The settings; ``None`` reads the ``HIREMATE_*`` variables and, when none is set,
+            returns ``model`` unchanged.
+
+    Returns:
+        The model to pass to ``prepare``: a :class:`remat.RematModule` sharing ``model``'s
+        parameters (``plugin.module=None``), or ``model`` itself with the named submodules
+        swapped; ``model`` unchanged if it trains unmodified (``strict=False``).
+
+    Raises:
+        ValueError: an unsupported distributed setup, a module name that does not exist.
+        remat.RematError: with ``strict=True``, when the model cannot be captured or the budget
+            is infeasible.
+
+    Example:
+        >>> model = rematerialize_for_accelerate(accelerator, model, next(iter(loader)),
+        ...                                      HiRematePlugin(budget="50%"))  # doctest: +SKIP
+    """
+    if plugin is None:
+        plugin = HiRematePlugin.from_env()
+        if plugin is None:
+            return model
+    if not isinstance(plugin, HiRematePlugin):
+        raise TypeError(f"plugin={plugin!r}: expected a HiRematePlugin or None")
+    model, _ = _rematerialize(accelerator, model, batch, plugin.settings,
+                              PlanCache(plugin.settings.cache_dir))
+    return model
+
+
+class HiRemateAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``prepare`` rematerializes the models it is given.
+
+    Every other behaviour is Accelerate's. Without a plugin and without ``HIREMATE_BUDGET`` in the
+    environment it is a plain ``Accelerator``.
+
+    Args:
+        *args: ``Accelerator`` arguments.
+        hiremate_plugin: The settings; ``None`` reads them from the ``HIREMATE_*`` environment
+            variables (see :meth:`HiRematePlugin.from_env`).
+        **kwargs: ``Accelerator`` keyword arguments.
+
+    Attributes:
+        hiremate_plugin: The settings in use, or ``None`` (rematerialization off).
+        hiremate_results: Target name (``""`` for a whole model) ->
+            :class:`~integrations._remat_shared.TargetResult`, for the models prepared so far.
+
+    Raises:
+        ValueError: malformed ``HIREMATE_*`` variables, or a distributed setup that is not
+            supported (DeepSpeed, FSDP, Megatron-LM, XLA, tensor parallelism, dynamo backend).
+
+    Example:
+        >>> accelerator = HiRemateAccelerator(hiremate_plugin=HiRematePlugin(budget="50%"))
+        >>> model, opt, loader = accelerator.prepare(model, opt, loader)  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, hiremate_plugin: Optional[HiRematePlugin] = None,
+                 **kwargs: Any) -> None:
+        if hiremate_plugin is None:
+            hiremate_plugin = HiRematePlugin.from_env()
+        elif not isinstance(hiremate_plugin, HiRematePlugin):
+            raise TypeError(f"hiremate_plugin={hiremate_plugin!r}: expected a HiRematePlugin or "
+                            "None (read HIREMATE_* variables)")
+        super().__init__(*args, **kwargs)
+        self.hiremate_plugin = hiremate_plugin
+        self.hiremate_results: dict[str, TargetResult] = {}
+        self._hiremate_cache = None
+        if hiremate_plugin is not None:
+            _check_supported(self)
+            self._hiremate_cache = PlanCache(hiremate_plugin.settings.cache_dir)
+
+    def rematerialize(self, model: nn.Module, batch: Any, *,
+                      device_placement: Optional[bool] = None) -> nn.Module:
+        """Rematerialize ``model`` on ``batch`` now (call it before ``prepare``).
+
+        Use it when ``prepare`` gets no DataLoader, or the batch needs another form (see
+        NOTE [ The example batch in prepare() ]). ``prepare`` then leaves the model as it is.
+
+        Returns:
+            The model to pass to ``prepare`` (see :func:`rematerialize_for_accelerate`).
+
+        Raises:
+            ValueError: when no plugin is configured.
+        """
+        if self.hiremate_plugin is None:
+            raise ValueError(f"{_OWNER}.rematerialize: no HiRematePlugin; pass "
+                             "hiremate_plugin=HiRematePlugin(...) or set HIREMATE_BUDGET")
+        result, results = _rematerialize(self, model, batch, self.hiremate_plugin.settings,
+                                         self._hiremate_cache, device_placement=device_placement)
+        self.hiremate_results.update(results)
+        result._hiremate_done = True  # prepare() must not do it again
+        return result
+
+    def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
+        """Rematerialize the models among ``args``, then ``Accelerator.prepare`` everything.
+
+        See NOTE [ The example batch in prepare() ] and NOTE [ Wrapping order ].
+        """
+        if self.hiremate_plugin is not None:
+            args = self._rematerialize_models(list(args), device_placement)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _rematerialize_models(self, args: list, device_placement: Optional[list]) -> list:
+        todo = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
+                and not getattr(obj, "_hiremate_done", False)
+                and not getattr(obj, "_is_accelerate_prepared", False)]
+        if not todo:
+            return args
+        loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+        loaders = loaders or list(self._dataloaders)
+        settings = self.hiremate_plugin.settings
+        try:
+            if not loaders:
+                raise CannotDrawBatch(
+                    "prepare() got no DataLoader to read an example batch from (and none was "
+                    "prepared before); pass the training DataLoader in the same prepare() call, "
+                    "or call accelerator.rematerialize(model, batch) first")
+            with isolated_rng():
+                batch = first_batch(loaders[0])
+        except CannotDrawBatch as e:
+            if settings.strict:
+                raise ValueError(f"{_OWNER}: {e}") from e
+            if self.is_main_process:
+                warnings.warn(f"{_OWNER}: the model trains unmodified (strict=False): {e}",
+                              stacklevel=3)
+            return args
+        if self.split_batches and self.num_processes > 1:
+            share = find_batch_size(batch) // self.num_processes
+            batch = slice_tensors(batch, slice(0, share))
+        for i in todo:
+            placement = None if device_placement is None else device_placement[i]
+            args[i] = self.rematerialize(args[i], batch, device_placement=placement)
+        return args
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        """``Accelerator.unwrap_model``, then the original module of a ``RematModule``."""
+        model = super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                     keep_torch_compile=keep_torch_compile)
+        return model.original if isinstance(model, RematModule) else model

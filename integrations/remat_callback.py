@@ -1,0 +1,414 @@
+"""``HiRemateCallback``: keep a Lightning model's activation memory under a budget, exact gradients.
+
+Import it from the public entry point::
+
+    from integrations.lightning import HiRemateCallback
+    Trainer(callbacks=[HiRemateCallback(budget="50%")])
+
+At ``on_fit_start`` (after the strategy wrapped the model and the optimizers exist) the callback
+runs the user's own ``training_step`` on one real batch as a warmup, recording the real call
+arguments of the target networks; then it captures, profiles and solves each target with
+:func:`remat.rematerialize` and swaps it for the resulting :class:`remat.RematModule`, which
+shares the original's ``Parameter`` objects and ``state_dict`` keys (the optimizer keeps training
+the same tensors; checkpoints load into the plain model). At the end of ``fit`` the original
+modules are put back. Papers: HiRemate (Gusak, Zhao, Le Hellard, Li, Eyraud-Dubois, Beaumont,
+ICML 2025), Rockmate (Zhao et al., ICML 2023), Checkmate (Jain et al., MLSys 2020).
+
+NOTE [ Where the example batch comes from ]
+    The batch is read from a fresh iterator of the training dataloader, asked again from its
+    source (``train_dataloader()`` of the DataModule/LightningModule, or the loader passed to
+    ``fit``) inside an RNG-isolated block. The fit loop's own ``setup_data`` is *not* called
+    early: it would move its RNG draws before the other ``on_fit_start`` hooks and, when resuming,
+    before the loop state (and a stateful loader's position) is restored. Under DDP every rank
+    reads the unsharded loader's first batch: only its shapes and dtypes matter (rank 0 times the
+    ops on it; see NOTE [ Same plan on every rank ] in ``integrations/_remat_shared.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities import CombinedLoader, rank_zero_info, rank_zero_warn
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        'HiRemateCallback needs Lightning; install it with pip install "hiremate[lightning]"'
+    ) from e
+from torch.utils._pytree import tree_unflatten
+
+import remat
+from remat import Plan, PlanCache, RematModule, format_bytes, track_memory
+
+from integrations._remat_shared import (
+    CannotDrawBatch,
+    Collectives,
+    Target,
+    TargetResult,
+    check_settings,
+    default_targets,
+    first_batch,
+    format_table,
+    isolated_rng,
+    preserved_state,
+    record_first_calls,
+    resolve_names,
+    solve_targets,
+)
+
+__all__ = ["HiRemateCallback"]
+
+_OWNER = "HiRemateCallback"
+_STATE_VERSION = 1
+
+
+class _StopWarmup(Exception):
+    """Raised by the patched ``manual_backward`` to end a manual-optimization warmup."""
+
+
+def _check_strategy(strategy: Any) -> None:
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    names = [cls.__name__ for cls in type(strategy).__mro__]
+    unsupported = [n for n in names if n.startswith(("DeepSpeed", "XLA", "SingleDeviceXLA"))]
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not unsupported:
+        return
+    raise ValueError(
+        f"{_OWNER} does not support strategy={type(strategy).__name__} yet: it supports one device "
+        "(strategy='auto') and data parallel strategies ('ddp', 'ddp_spawn', 'ddp_fork', ...). "
+        "Sharded strategies (FSDP, DeepSpeed, model parallel) shard or replace the parameters it "
+        "would capture. Remove the callback, or use the strategy's own activation checkpointing "
+        "(e.g. FSDPStrategy(activation_checkpointing_policy=...))."
+    )
+
+
+@contextlib.contextmanager
+def _silenced(pl_module: "pl.LightningModule", *, manual: bool):
+    """``self.log``/``self.log_dict`` do nothing (they raise inside ``on_fit_start``); with manual
+    optimization ``manual_backward`` ends the warmup (no optimizer step may run)."""
+    def no_log(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def stop(*args: Any, **kwargs: Any) -> None:
+        raise _StopWarmup
+
+    patches = {"log": no_log, "log_dict": no_log}
+    if manual:
+        patches["manual_backward"] = stop
+    saved = {name: pl_module.__dict__[name] for name in patches if name in pl_module.__dict__}
+    pl_module.__dict__.update(patches)
+    try:
+        yield
+    finally:
+        for name in patches:
+            pl_module.__dict__.pop(name, None)
+        pl_module.__dict__.update(saved)
+
+
+def _loss_of(output: Any) -> Optional[torch.Tensor]:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return loss if isinstance(loss, torch.Tensor) and loss.requires_grad else None
+
+
+class HiRemateCallback(Callback):
+    """Rematerialize the LightningModule's network(s) under an activation-memory budget.
+
+    Gradients are exactly those of the unmodified model (random ops are never re-drawn,
+    BatchNorm statistics are updated once): a run with the callback gives the same loss curve,
+    bit for bit on CPU. What changes is the peak memory of each training step (and its time:
+    recomputation costs ``plan.predicted_overhead``).
+
+    Every rank of a DDP run uses the plan solved on rank 0. The plans are kept in the callback's
+    checkpoint state, so resuming does not profile or solve again; ``cache_dir`` also keeps them
+    on disk across runs. A new input shape (a short last batch) is captured and solved once when
+    it first appears, under the same budget.
+
+    Args:
+        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified network's
+            activation peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``; per target).
+        module: Which LightningModule attribute(s) to rematerialize: a name (``"net"``), a dotted
+            path (``"model.encoder"``) or a list of them. Default: every top-level child holding
+            parameters that is called during the training step.
+        solver: One of ``remat.SOLVERS`` (default ``"hierarchical"``).
+        time_limit: Seconds each solve may take; the best schedule found by then is used.
+        cache_dir: Directory of an on-disk :class:`remat.PlanCache` shared across runs.
+        strict: Raise when a target cannot be captured or the budget is infeasible. With
+            ``False`` (default) that target trains unmodified and rank 0 warns.
+        verbose: Log progress lines, the summary table, and the measured peaks of the warmup step
+            and of the first training step (measuring adds one backward to the warmup and, on
+            CPU, runs the profiler during those two steps).
+
+    Attributes:
+        results: Target name -> :class:`~integrations._remat_shared.TargetResult` (plan, every
+            plan solved, capture time, why it was skipped).
+        plans: Target name -> the :class:`remat.Plan` solved for the warmup batch.
+        cache: The :class:`remat.PlanCache` (saved in checkpoints).
+        eager_peak_bytes: Measured peak of the unmodified warmup step (forward + backward), or
+            ``None``.
+        step_peak_bytes: Measured peak of the first training step with remat (forward + backward,
+            up to the optimizer step), or ``None``.
+
+    Raises:
+        ValueError: a malformed budget (``"150%"``, ``"-1GB"``, ``"abc"``), an unknown solver, a
+            non-positive time limit or a malformed module name: in ``__init__``. An unsupported
+            strategy: in ``setup``. A ``module=`` name that is not a submodule of the
+            LightningModule: at the start of ``on_fit_start``, before any batch is read (the
+            attribute may be created by ``configure_model``, after ``setup``).
+        remat.RematError: with ``strict=True``, in ``on_fit_start``, when a target cannot be
+            captured or no schedule fits the budget.
+
+    Example:
+        >>> trainer = Trainer(callbacks=[HiRemateCallback(budget="50%")])  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule)                                   # doctest: +SKIP
+        >>> print(trainer.callbacks[0].plans["net"].summary())               # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        budget: Union[str, float, int] = "70%",
+        *,
+        module: Union[str, Sequence[str], None] = None,
+        solver: str = remat.DEFAULT_SOLVER,
+        time_limit: float = 60.0,
+        cache_dir: Optional[str] = None,
+        strict: bool = False,
+        verbose: bool = True,
+    ) -> None:
+        self.settings = check_settings(
+            budget=budget, solver=solver, time_limit=time_limit, module=module,
+            cache_dir=cache_dir, strict=strict, verbose=verbose,
+        )
+        self.cache = PlanCache(self.settings.cache_dir)
+        self.results: dict[str, TargetResult] = {}
+        self.eager_peak_bytes: Optional[int] = None
+        self.step_peak_bytes: Optional[int] = None
+        self._swapped: list[tuple[Target, RematModule]] = []
+        self._measure_next_step = False
+        self._memory: Optional[tuple[Any, Any]] = None
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        return {name: r.plan for name, r in self.results.items() if r.plan is not None}
+
+    # ---- fit start: warmup, solve, swap ----------------------------------------------------------
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            _check_strategy(trainer.strategy)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        _check_strategy(trainer.strategy)
+        self._restore()
+        self.results, self.eager_peak_bytes, self.step_peak_bytes = {}, None, None
+        if self.settings.module is not None:
+            targets = resolve_names(pl_module, self.settings.module, owner=_OWNER)
+        else:
+            targets = default_targets(pl_module)
+        already = [t.name for t in targets if isinstance(t.module, RematModule)]
+        targets = [t for t in targets if not isinstance(t.module, RematModule)]
+        if already:
+            self._info(f"{_OWNER}: {', '.join(already)} already rematerialized; left as is")
+        if not targets:
+            self._info(f"{_OWNER}: no module holding trainable parameters to rematerialize")
+            return
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            return self._cannot("training_step takes a dataloader_iter, so no single batch can "
+                                "be replayed as the warmup step")
+        with isolated_rng():  # see NOTE [ A warmup step that leaves no trace ]
+            try:
+                batch = self._example_batch(trainer)
+            except CannotDrawBatch as e:
+                return self._cannot(str(e))
+            with preserved_state(pl_module), \
+                    _silenced(pl_module, manual=not pl_module.automatic_optimization):
+                calls = self._warmup(trainer, pl_module, batch, targets)
+        del batch
+        missing = [t.name for t in targets if t.name not in calls]
+        explicit_missing = [t.name for t in targets if t.explicit and t.name in missing]
+        if explicit_missing:
+            raise ValueError(
+                f"{_OWNER}(module={list(self.settings.module)!r}): "
+                f"{', '.join(map(repr, explicit_missing))} was not called by training_step on the "
+                "warmup batch" + (" before its first manual_backward" if not
+                                  pl_module.automatic_optimization else "")
+                + "; name the module(s) the training step runs"
+            )
+        targets = [t for t in targets if t.name in calls]
+        if not targets:
+            self._info(f"{_OWNER}: training_step called none of "
+                       f"{', '.join(missing)}; nothing to rematerialize")
+            return
+        comm = self._collectives(trainer)
+        with isolated_rng(), trainer.precision_plugin.train_step_context():
+            self.results = solve_targets(
+                targets, calls, self.settings, self.cache, owner=_OWNER, comm=comm,
+                info=self._info, warn=self._warn,
+            )
+        del calls
+        self._swap(pl_module, targets)
+        if self.settings.verbose:
+            rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
+                                        eager_peak_bytes=self.eager_peak_bytes))
+        self._measure_next_step = self.settings.verbose and bool(self._swapped)
+
+    def _example_batch(self, trainer: "pl.Trainer") -> Any:
+        """See NOTE [ Where the example batch comes from ]."""
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        if source is None or not source.is_defined():
+            raise CannotDrawBatch("the Trainer has no training dataloader to read a batch from")
+        loaders = source.dataloader()
+        combined = loaders if isinstance(loaders, CombinedLoader) else \
+            CombinedLoader(loaders, "max_size_cycle")
+        batches = [first_batch(loader) for loader in combined.flattened]
+        return tree_unflatten(batches, combined._spec)
+
+    def _warmup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                targets: list[Target]) -> dict[str, tuple[tuple, dict]]:
+        """Run ``training_step`` on ``batch`` recording the targets' calls (and the eager peak)."""
+        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+        args = (batch, 0) if is_param_in_hook_signature(pl_module.training_step, "batch_idx",
+                                                         min_args=2) else (batch,)
+        measure = self.settings.verbose and pl_module.automatic_optimization
+        with record_first_calls(targets) as calls, trainer.precision_plugin.train_step_context():
+            tracking = self._start_tracking(trainer) if measure else None
+            try:
+                output = pl_module.training_step(*args)
+                loss = _loss_of(output) if measure else None
+                if loss is not None:
+                    loss.backward()
+                del output, loss
+            except _StopWarmup:
+                pass
+            finally:
+                if tracking is not None:
+                    tracking[0].__exit__(None, None, None)
+        if tracking is not None:
+            self.eager_peak_bytes = tracking[1].peak_bytes
+        return dict(calls)
+
+    def _swap(self, pl_module: "pl.LightningModule", targets: list[Target]) -> None:
+        keys = list(pl_module.state_dict())
+        for target in targets:
+            rm = self.results[target.name].remat_module
+            if rm is not None:
+                setattr(target.parent, target.attr, rm)
+                self._swapped.append((target, rm))
+        if list(pl_module.state_dict()) != keys:
+            self._restore()
+            remat.errors.internal_assert(False, "swapping in a RematModule changed the "
+                                                "LightningModule's state_dict keys")
+
+    def _restore(self) -> None:
+        """Put the original modules back (end of fit, or an error)."""
+        while self._swapped:
+            target, rm = self._swapped.pop()
+            if getattr(target.parent, target.attr, None) is rm:
+                target.module.train(rm.training)
+                setattr(target.parent, target.attr, target.module)
+            result = self.results.get(target.name)
+            if result is not None:
+                result.plans = rm.plans
+                result.remat_module = None
+
+    def _cannot(self, why: str) -> None:
+        if self.settings.strict:
+            raise RuntimeError(f"{_OWNER}: cannot rematerialize (strict=True): {why}")
+        self._warn(f"{_OWNER}: training unmodified (strict=False): {why}")
+
+    def _collectives(self, trainer: "pl.Trainer") -> Collectives:
+        strategy = trainer.strategy
+        if trainer.world_size <= 1:
+            return Collectives()
+        return Collectives(
+            rank=trainer.global_rank, world_size=trainer.world_size,
+            broadcast=lambda obj: strategy.broadcast(obj, src=0),
+            all_true=lambda flag: bool(strategy.reduce_boolean_decision(flag, all=True)),
+        )
+
+    def _info(self, message: str) -> None:
+        if self.settings.verbose:
+            rank_zero_info(message)
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        rank_zero_warn(message)
+
+    # ---- training: keep modes in sync, measure the first step ------------------------------------
+
+    @staticmethod
+    def _start_tracking(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
+        """Enter ``track_memory`` on the root device: ``(context, tracker)``, or ``None`` when it
+        cannot measure now (another profiler session on CPU, or another device type)."""
+        device = trainer.strategy.root_device
+        if device.type not in ("cpu", "cuda"):
+            return None
+        memory = track_memory(device)
+        try:
+            return memory, memory.__enter__()
+        except RuntimeError:  # a torch.profiler session is already running (CPU)
+            return None
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                             batch: Any, batch_idx: int) -> None:
+        if self._measure_next_step:
+            self._measure_next_step = False
+            self._memory = self._start_tracking(trainer)
+
+    def _stop_measuring(self) -> None:
+        if self._memory is None:
+            return
+        (memory, tracker), self._memory = self._memory, None
+        memory.__exit__(None, None, None)
+        self.step_peak_bytes = tracker.peak_bytes
+        line = (f"{_OWNER}: measured peak of the first training step: "
+                f"{format_bytes(self.step_peak_bytes)}")
+        if self.eager_peak_bytes:
+            line += (f" ({100 * self.step_peak_bytes / self.eager_peak_bytes:.0f}% of the "
+                     f"unmodified warmup step's {format_bytes(self.eager_peak_bytes)})")
+        self._info(line)
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self._stop_measuring()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._stop_measuring()
+
+    # ---- end of fit ------------------------------------------------------------------------------
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            self._stop_measuring()
+            self._restore()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                     exception: BaseException) -> None:
+        self._stop_measuring()
+        self._restore()
+
+    # ---- checkpoint state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "budget": str(self.settings.budget),
+            "solver": self.settings.solver,
+            "plan_cache": self.cache.state_dict(),
+            "plans": {name: dataclasses.asdict(plan) for name, plan in self.plans.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != _STATE_VERSION:
+            rank_zero_warn(f"{_OWNER}: ignoring checkpoint state of version "
+                           f"{state_dict.get('version')!r} (expected {_STATE_VERSION}); the plans "
+                           "will be solved again")
+            return
+        self.cache.load_state_dict(state_dict.get("plan_cache", {}))
