@@ -121,7 +121,23 @@ def _check_conv(conv: Any) -> nn.Conv2d:
     return conv
 
 
-class CPConv2d(nn.Module):
+class _FactorizedLayer(nn.Module):
+    """What the CP layers share: their quantized factors live in ``self.factors``."""
+
+    factors: nn.ModuleList
+
+    @property
+    def bits(self) -> int:
+        """Bit width of the factors."""
+        return self.factors[0].bits
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the factors hold trainable latents."""
+        return self.factors[0].trainable
+
+
+class CPConv2d(_FactorizedLayer):
     """``Conv2d`` as 1x1 conv -> depthwise conv -> 1x1 conv with quantized CP factors.
 
     Lebedev et al. (ICLR 2015) for the layer sequence; Cherniuk et al. (2023) for the quantized
@@ -191,16 +207,6 @@ class CPConv2d(nn.Module):
     def is_pointwise(self) -> bool:
         """True for a 1x1 kernel (two factors)."""
         return self.kernel_size == (1, 1)
-
-    @property
-    def bits(self) -> int:
-        """Bit width of the factors."""
-        return self.factors[0].bits
-
-    @property
-    def trainable(self) -> bool:
-        """Whether the factors hold trainable latents."""
-        return self.factors[0].trainable
 
     @classmethod
     def from_conv(
@@ -311,7 +317,7 @@ class CPConv2d(nn.Module):
         return s + f", bias={self.bias is not None}, trainable={self.trainable}"
 
 
-class CPLinear(nn.Module):
+class CPLinear(_FactorizedLayer):
     """``Linear`` as two quantized factors: ``y = A_out (A_in^T x) + b``.
 
     The weight ``(out, in)`` is approximated by ``A_out A_in^T`` with ``A_out`` of shape
@@ -352,16 +358,6 @@ class CPLinear(nn.Module):
         dtype = torch.get_default_dtype() if dtype is None else dtype
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias \
             else None
-
-    @property
-    def bits(self) -> int:
-        """Bit width of the factors."""
-        return self.factors[0].bits
-
-    @property
-    def trainable(self) -> bool:
-        """Whether the factors hold trainable latents."""
-        return self.factors[0].trainable
 
     @classmethod
     def from_linear(
