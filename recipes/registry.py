@@ -120,25 +120,34 @@ def available_tasks() -> list[str]:
     return _module_names(_TASKS_PACKAGE)
 
 
+def _registered(package: str, folder: str, name: str, names: list[str], kind: str,
+                attribute: str, cls: type, unknown: str) -> Any:
+    """Import ``recipes/<folder>/<name>.py`` and return its ``attribute``, checked to be a
+    ``cls``; an unknown name is a :class:`RecipeError` listing ``names`` (``unknown`` starts it)."""
+    if name not in names:
+        placeholder = "name" if kind == "task" else "section"
+        raise RecipeError(
+            f"{unknown}{suggest(str(name), names) or '.'} Available {kind}s: {', '.join(names)}. "
+            f"To add one, create recipes/{folder}/<{placeholder}>.py defining "
+            f"{attribute} = {cls.__name__}(...) (see recipes/README.md)."
+        )
+    value = getattr(_import(package, name), attribute, None)
+    if not isinstance(value, cls):
+        raise TypeError(
+            f"recipes/{folder}/{name}.py must define {attribute} = recipes.registry."
+            f"{cls.__name__}(...); found {type(value).__name__}"
+        )
+    return value
+
+
 def get_task(name: str) -> Task:
     """Return the task registered as ``recipes/tasks/<name>.py``.
 
     Raises:
         RecipeError: if there is no such task; the message lists the available ones.
     """
-    names = available_tasks()
-    if name not in names:
-        raise RecipeError(
-            f"task={name!r}: unknown task{suggest(str(name), names) or '.'} Available tasks: "
-            f"{', '.join(names)}. To add one, create recipes/tasks/<name>.py defining "
-            "TASK = Task(...) (see recipes/README.md)."
-        )
-    task = getattr(_import(_TASKS_PACKAGE, name), "TASK", None)
-    if not isinstance(task, Task):
-        raise TypeError(
-            f"recipes/tasks/{name}.py must define TASK = recipes.registry.Task(...); "
-            f"found {type(task).__name__}"
-        )
+    task = _registered(_TASKS_PACKAGE, "tasks", name, available_tasks(), "task", "TASK", Task,
+                       f"task={name!r}: unknown task")
     for section in ("model", "data"):
         if not dataclasses.is_dataclass(getattr(task, section)):
             raise TypeError(f"recipes/tasks/{name}.py: TASK.{section} must be a dataclass type")
@@ -156,19 +165,8 @@ def get_plugin(name: str) -> Plugin:
     Raises:
         RecipeError: if there is no such plugin; the message lists the available ones.
     """
-    names = available_plugins()
-    if name not in names:
-        raise RecipeError(
-            f"plugin {name!r}: unknown plugin section{suggest(str(name), names) or '.'} Available "
-            f"plugins: {', '.join(names)}. To add one, create recipes/plugins/<section>.py defining "
-            "PLUGIN = Plugin(...) (see recipes/README.md)."
-        )
-    plugin = getattr(_import(_PLUGINS_PACKAGE, name), "PLUGIN", None)
-    if not isinstance(plugin, Plugin):
-        raise TypeError(
-            f"recipes/plugins/{name}.py must define PLUGIN = recipes.registry.Plugin(...); "
-            f"found {type(plugin).__name__}"
-        )
+    plugin = _registered(_PLUGINS_PACKAGE, "plugins", name, available_plugins(), "plugin",
+                         "PLUGIN", Plugin, f"plugin {name!r}: unknown plugin section")
     fields = dataclasses.fields(plugin.config) if dataclasses.is_dataclass(plugin.config) else ()
     enabled = next((f for f in fields if f.name == "enabled"), None)
     if enabled is None or enabled.default is not False:
