@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 _SLOTS = 600
 _TOP_ILP_VARIABLES = 4_000  # graphs whose whole ILP is this small are also solved exactly
 _TOP_ILP_SHARE = 0.25  # of the time limit, for that exact solve (it finds its optimum early)
+# ... and a bound on its work, so that the same graph gets the same schedule on a busy machine
+# (the time cap remains a safety net; DDP ranks share rank 0's plan through the cache anyway).
+_TOP_ILP_NODES = 2_000
 _INNER_SLOTS = 200
 _HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
 
@@ -69,7 +72,8 @@ class HierarchicalSolver:
                 # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
                 found.append(ILPSolver().solve(Problem(
                     graph, problem.budget_bytes,
-                    time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit))))
+                    time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit),
+                    options={"max_nodes": _TOP_ILP_NODES})))
         feasible = [r for r in found if r.schedule is not None and r.status != "infeasible"]
         if feasible:
             best = min(feasible, key=lambda r: r.simulation.time)

@@ -53,10 +53,16 @@ _DEFAULT_MAX_VARIABLES = 60_000
 MIP_REL_GAP = 5e-3
 
 
-def make_mip_solver(time_limit: float, *, msg: bool = False) -> pulp.LpSolver:
-    """HiGHS when ``highspy`` is installed (much faster), else PuLP's bundled CBC."""
+def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | None = None
+                    ) -> pulp.LpSolver:
+    """HiGHS when ``highspy`` is installed (much faster), else PuLP's bundled CBC.
+
+    ``max_nodes`` bounds the branch-and-bound work (HiGHS only): unlike a time limit, the answer
+    then does not depend on how busy the machine is.
+    """
     limit = max(1.0, float(time_limit))
-    highs = pulp.HiGHS(msg=msg, timeLimit=limit, threads=1, gapRel=MIP_REL_GAP)
+    extra = {"mip_max_nodes": int(max_nodes)} if max_nodes is not None else {}
+    highs = pulp.HiGHS(msg=msg, timeLimit=limit, threads=1, gapRel=MIP_REL_GAP, **extra)
     if highs.available():
         return highs
     return pulp.PULP_CBC_CMD(msg=msg, timeLimit=int(limit) + 1, threads=1, gapRel=MIP_REL_GAP)
@@ -252,6 +258,8 @@ class ILPSolver:
             (default 60,000); use the hierarchical solver for those.
         save_budget: also bound the bytes kept from forward to backward (used to build the
             options of a block, see :mod:`remat.solvers.options`).
+        max_nodes: bound the MIP's branch-and-bound nodes (HiGHS), for results that do not
+            depend on machine load.
         msg: print the MIP solver's log (default ``False``).
     """
 
@@ -272,7 +280,8 @@ class ILPSolver:
             return finish(self.name, problem, save_all_schedule(graph), started, proven=True)
         prob = model.build()
         remaining = problem.time_limit - (time.perf_counter() - started)
-        mip = make_mip_solver(remaining, msg=bool(problem.options.get("msg", False)))
+        mip = make_mip_solver(remaining, msg=bool(problem.options.get("msg", False)),
+                              max_nodes=problem.options.get("max_nodes"))
         with quiet_stdout(not problem.options.get("msg", False)):
             prob.solve(mip)
         status = pulp.LpStatus[prob.status]
