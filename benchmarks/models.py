@@ -3,6 +3,8 @@
 * :class:`GPT` — a GPT-style decoder (pre-LN blocks, causal attention written out or through
   ``scaled_dot_product_attention``, GELU MLP, dropout), returning logits or a loss.
 * :class:`ResNet` — a ResNet-style CNN with BatchNorm and residual basic blocks.
+* :class:`UNet` — a U-Net (conv-BN-ReLU levels, max-pool down, transposed-conv up, long skip
+  connections from each encoder level to its decoder level: a DAG, not a chain).
 * :class:`MLP` — a plain multilayer perceptron.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "ResNet", "MLP", "gpt_batch", "image_batch"]
+__all__ = ["GPTConfig", "GPT", "ResNet", "UNet", "MLP", "gpt_batch", "image_batch"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,66 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def conv_bn_relu(c_in: int, c_out: int) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
+
+
+class DoubleConv(nn.Sequential):
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__(*conv_bn_relu(c_in, c_out), *conv_bn_relu(c_out, c_out))
+
+
+class Down(nn.Module):
+    """Encoder level: two conv-BN-ReLU, then a 2x2 max-pool; returns ``(skip, pooled)``."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = DoubleConv(c_in, c_out)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        skip = self.conv(x)
+        return skip, self.pool(skip)
+
+
+class Up(nn.Module):
+    """Decoder level: 2x transposed-conv upsampling, concat with the encoder's skip, two conv-BN-ReLU."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(c_in, c_out, 2, stride=2)
+        self.conv = DoubleConv(2 * c_out, c_out)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.cat([self.up(x), skip], dim=1))
+
+
+class UNet(nn.Module):
+    """A small U-Net for ``(N, in_ch, H, W)`` images (H, W divisible by ``2 ** depth``).
+
+    ``depth`` encoder levels (channels ``width * 2**i``), a bottleneck, ``depth`` decoder levels
+    (each concatenating the matching encoder output) and a 1x1 head; returns ``(N, out_ch, H, W)``.
+    """
+
+    def __init__(self, width: int = 16, depth: int = 3, in_ch: int = 3, out_ch: int = 3) -> None:
+        super().__init__()
+        chans = [width * 2 ** i for i in range(depth + 1)]
+        self.down = nn.ModuleList(Down(c_in, c_out) for c_in, c_out in zip([in_ch] + chans, chans[:depth]))
+        self.bottleneck = DoubleConv(chans[depth - 1], chans[depth])
+        self.up = nn.ModuleList(Up(chans[i + 1], chans[i]) for i in reversed(range(depth)))
+        self.head = nn.Conv2d(width, out_ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for level in self.down:
+            skip, x = level(x)
+            skips.append(skip)
+        x = self.bottleneck(x)
+        for level, skip in zip(self.up, reversed(skips)):
+            x = level(x, skip)
+        return self.head(x)
 
 
 class MLP(nn.Module):

@@ -1,6 +1,7 @@
 """Side-by-side: activation peak and step time of remat vs the alternatives, in one run.
 
     python -m benchmarks.remat_compare --model gpt --budgets 100 70 50 30
+    python -m benchmarks.remat_compare --model unet --budgets 100 70 50 30
     python -m benchmarks.remat_compare --quick          # a small, fast run
 
 For each method it runs a few training steps (forward + backward) of the same model on the same
@@ -33,7 +34,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
 import remat
-from benchmarks.models import GPT, GPTConfig, ResNet, gpt_batch, image_batch
+from benchmarks.models import GPT, GPTConfig, ResNet, UNet, gpt_batch, image_batch
 
 
 @dataclass
@@ -55,7 +56,12 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn
         model = GPT(cfg)
         idx, tgt = gpt_batch(cfg, args.batch)
         return model, (idx, tgt), lambda out: out, list(model.blocks)
-    model = ResNet(width=args.width, blocks=tuple([args.layers] * 3))
+    if args.model == "unet":
+        model = UNet(width=args.width or 16, depth=args.depth)
+        x, _ = image_batch(args.batch, size=args.image)
+        loss = nn.MSELoss()  # reconstruct the input: a dense loss over the output map
+        return model, (x,), lambda out: loss(out, x), [*model.down, *model.up]
+    model = ResNet(width=args.width or 32, blocks=tuple([args.layers] * 3))
     x, y = image_batch(args.batch, size=args.image)
     loss = nn.CrossEntropyLoss()
     return model, (x,), lambda out: loss(out, y), list(model.layers)
@@ -75,6 +81,9 @@ def with_block_checkpoints(model: nn.Module) -> nn.Module:
     model = copy.deepcopy(model)
     if isinstance(model, GPT):
         model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    elif isinstance(model, UNet):
+        model.down = nn.ModuleList(Checkpointed(b) for b in model.down)
+        model.up = nn.ModuleList(Checkpointed(b) for b in model.up)
     else:
         model.layers = nn.Sequential(*(Checkpointed(b) for b in model.layers))
     return model
@@ -108,7 +117,7 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
+    parser.add_argument("--model", choices=["gpt", "resnet", "unet"], default="gpt")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -116,7 +125,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--attention", choices=["manual", "sdpa"], default="manual")
-    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--width", type=int, default=None, help="CNN width (default: resnet 32, unet 16)")
+    parser.add_argument("--depth", type=int, default=3, help="unet: encoder/decoder levels")
     parser.add_argument("--image", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budgets", type=float, nargs="+", default=[100, 70, 50, 30])
@@ -169,7 +179,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
         rows.append(row)
 
-    print(f"\nmodel={args.model} layers={args.layers} batch={args.batch} solver={args.solver} "
+    size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
+    print(f"\nmodel={args.model} {size} batch={args.batch} solver={args.solver} "
           f"torch={torch.__version__} threads={torch.get_num_threads()}")
     print(f"{'method':<26}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}{'grad diff':>11}  notes")
     for r in rows:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from benchmarks.models import GPT, MLP, GPTConfig, ResNet, gpt_batch, image_batch
+from benchmarks.models import GPT, MLP, GPTConfig, ResNet, UNet, gpt_batch, image_batch
 
 
 class DropoutMLP(nn.Module):
@@ -69,6 +69,8 @@ def make(name: str) -> tuple[nn.Module, tuple]:
         return GPT(cfg), (gpt_batch(cfg, 8)[0],)
     if name == "cnn_bn":
         return ResNet(width=8, blocks=(1, 1)), (image_batch(8, size=16)[0],)
+    if name == "unet":  # long skip connections: a DAG, not a chain of blocks
+        return UNet(width=4, depth=2), (image_batch(4, size=16)[0],)
     if name == "dropout":
         return DropoutMLP(), (torch.randn(128, 32),)
     if name == "dict_out":
@@ -78,7 +80,7 @@ def make(name: str) -> tuple[nn.Module, tuple]:
     raise KeyError(name)
 
 
-MODELS = ["mlp", "gpt_manual", "gpt_sdpa", "cnn_bn", "dropout", "dict_out", "dataclass_out"]
+MODELS = ["mlp", "gpt_manual", "gpt_sdpa", "cnn_bn", "unet", "dropout", "dict_out", "dataclass_out"]
 
 
 def scalar_of(out: object) -> torch.Tensor:
