@@ -9,11 +9,16 @@ NOTE [ Hierarchical solving ]
    options from the exact ILP under a grid of limits on bytes kept
    (:mod:`remat.solvers.options`).
 3. *Upper level*: the chain DP (:mod:`remat.solvers.chain`) picks each segment's option and
-   which segment inputs to store or recompute, for every memory capacity at once.
+   which segment inputs to store or recompute, for every memory capacity at once. Where
+   storages cross several segments (skip connections), the block ILP
+   (:mod:`remat.solvers.dag`, HiRemate's formulation over the same options) also solves the
+   level, and the faster of the two schedules that fit is kept.
 4. *Merge and check*: the DP's actions become one schedule (each region's backward with the
    recomputations it needs before it); what must be saved is what backward reads before
    recomputing it. The simulator is the judge: we search the DP capacity for the fastest
    schedule whose simulated peak fits the budget, since the DP's memory model is approximate.
+5. *Polish* (:mod:`remat.solvers.polish`): the memory the coarse upper level leaves unused is
+   spent greedily on keeping recomputed values, each change checked by the simulator.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from ..subgraph import Subgraph, extract_subgraph
 from .base import Problem, SolveResult, finish
 from .chain import ChainTable, Stage, StageOption, solve_chain
 from .ilp import ILPSolver, _Model
+from .dag import block_dag, solve_block_dag
+from .polish import polish
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
 
 __all__ = ["HierarchicalSolver", "DPSolver"]
@@ -42,7 +49,12 @@ _TOP_ILP_SHARE = 0.25  # of the time limit, for that exact solve (it finds its o
 # (the time cap remains a safety net; DDP ranks share rank 0's plan through the cache anyway).
 _TOP_ILP_NODES = 2_000
 _INNER_SLOTS = 200
-_HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
+_HEADROOM = 1.6
+_DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * options) binaries
+_DAG_SHARE = 0.25  # of the time limit, for the block ILP
+# Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
+# graph gets the same schedule on a busy machine; ~10-20 ms each on a 3,000-op graph.
+_POLISH_TRIALS = 300  # the DP table covers capacities up to this multiple of the budget
 
 
 class HierarchicalSolver:
@@ -53,6 +65,10 @@ class HierarchicalSolver:
         max_block_ops: largest segment kept whole when cutting a level (default 120).
         option_time_limit: seconds per leaf ILP solve (default: a share of ``time_limit``).
         progress: show a progress bar while block options are computed (default ``True``).
+        block_ilp: where storages cross several top-level blocks (a U-Net's skips), also solve
+            the upper level with the block ILP (NOTE [ The block ILP ]; default ``True``).
+        exact_top: also solve graphs small enough for it with the exact ILP and keep the faster
+            schedule (default ``True``; ``False`` shows what the hierarchy alone finds).
     """
 
     name: ClassVar[str] = "hierarchical"
@@ -68,7 +84,7 @@ class HierarchicalSolver:
             # model is sometimes the more accurate one at very low budgets.
             found.append(self._hierarchical(problem, False, deadline))
             remaining = deadline - time.perf_counter()
-            if remaining > 2.0 and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES:
+            if problem.options.get("exact_top", True) and remaining > 2.0 and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES:
                 # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
                 found.append(ILPSolver().solve(Problem(
                     graph, problem.budget_bytes,
@@ -97,9 +113,22 @@ class HierarchicalSolver:
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
                             slots=_SLOTS)
         best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
+        upper = "chain DP"
+        dag = block_dag(graph, chain, subs, options)
+        if (use_ilp and problem.options.get("block_ilp", True) and not dag.is_chain
+                and len(subs) <= _DAG_MAX_BLOCKS and time.perf_counter() < deadline):
+            # Storages cross several blocks: the block ILP models each of them once.
+            found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
+                                    deadline=min(deadline, time.perf_counter() + _DAG_SHARE *
+                                                 problem.time_limit))
+            if found is not None and (best is None or found[1].time < simulate(graph, best).time):
+                best, upper = found[0], "block ILP"
+        if best is not None:
+            best, _ = polish(graph, best, problem.budget_bytes, deadline=deadline,
+                             max_trials=_POLISH_TRIALS)
         name = "hierarchical" if use_ilp else "dp"
         detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
-                  f"({ctx.reused} reused)")
+                  f"({ctx.reused} reused); upper level: {upper}")
         if best is None:
             from ..schedule import save_all_schedule
 
@@ -239,9 +268,13 @@ def _search(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions]
 
 
 def assemble(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
-             actions: list[tuple]) -> Schedule:
-    """Turn the DP's actions into one schedule of ``graph`` (see NOTE [ Hierarchical solving ])."""
-    first_backward = next(k for k, a in enumerate(actions) if a[0] == "B")
+             actions: list[tuple], *, backward_only: bool = False) -> Schedule:
+    """Turn block actions into one schedule of ``graph`` (see NOTE [ Hierarchical solving ]).
+
+    ``actions`` are the DP's (the first forward, then backward from the first ``"B"``), or,
+    with ``backward_only``, only what runs in backward (the block ILP's).
+    """
+    first_backward = 0 if backward_only else next(k for k, a in enumerate(actions) if a[0] == "B")
     backward: list[int] = []
     for action in actions[first_backward:]:
         sub, opts = subs[action[1]], options[action[1]]

@@ -282,3 +282,28 @@ def test_later_shapes_keep_the_byte_budget_and_never_fail():
     step(ref, (big,))
     for a, b in zip(grads(ref), grads(model)):
         assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def traced_mlp_graph():
+    model, batch = make("mlp")
+    return remat.rematerialize(model, *batch, budget="100%", solver="none").graphs[0]
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5, 0.3])
+def test_hierarchical_within_3_percent_of_the_ilp_on_a_traced_model(traced_mlp_graph, fraction):
+    """On measured op times, at budgets 70/50/30% of the way from the lowest possible peak to
+    the baseline. The hierarchy's own schedule (without the exact top-level ILP it also tries
+    on small graphs) is held to the same gap where it finds one: at 30% it does not on this
+    MLP (its block options are too coarse there; issue 3's note has the figures)."""
+    graph = traced_mlp_graph
+    low = remat.liveness.peak_lower_bound(graph)
+    budget = int(low + fraction * (simulate(graph, save_all_schedule(graph)).peak_bytes - low))
+    ilp = get_solver("ilp").solve(Problem(graph, budget, time_limit=60))
+    assert ilp.status == "optimal"
+    variants = [{}] if fraction < 0.5 else [{}, {"exact_top": False}]
+    for options in variants:
+        hier = get_solver("hierarchical").solve(Problem(
+            graph, budget, time_limit=60, options={"progress": False, **options}))
+        assert hier.simulation.peak_bytes <= budget, options
+        assert hier.simulation.time <= 1.03 * ilp.simulation.time, options

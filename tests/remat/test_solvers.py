@@ -5,7 +5,13 @@ from remat.liveness import peak_lower_bound
 from remat.schedule import save_all_schedule, simulate
 from remat.solvers import SOLVERS, Problem, get_solver
 
-from .graphs import chain
+from remat.segments import chain_structure
+from remat.solvers.dag import block_dag
+from remat.solvers.hierarchical import _Context
+from remat.solvers.polish import polish
+from remat.subgraph import extract_subgraph
+
+from .graphs import chain, unet
 
 A, D = 100, 10
 # The hierarchical schedule's step time may exceed the ILP optimum's by at most this (issue 3).
@@ -74,3 +80,66 @@ def test_time_limit_is_honoured():
                                              options={"max_variables": 10**6}))
     assert result.solve_time_s < 2 + 3.0  # model building and the MIP's own check, not the search
     assert result.status in ("optimal", "time_limit", "feasible", "infeasible")
+
+
+def test_polish_spends_unused_memory_on_keeping_recomputed_values():
+    graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
+    full = simulate(graph, save_all_schedule(graph))
+    start = get_solver("checkpoint").solve(Problem(graph, full.peak_bytes)).schedule
+    assert simulate(graph, start).recompute_time > 0
+    # With the baseline's memory every recomputation can go: the unmodified step's time.
+    done, sim = polish(graph, start, full.peak_bytes)
+    assert sim == simulate(graph, done)
+    assert sim.recompute_time == 0 and sim.time == full.time and sim.peak_bytes <= full.peak_bytes
+    # In between: faster than the input, never over the budget.
+    budget = (simulate(graph, start).peak_bytes + full.peak_bytes) // 2
+    done, sim = polish(graph, start, budget)
+    assert sim.peak_bytes <= budget
+    assert 0 < sim.recompute_time < simulate(graph, start).recompute_time
+    # Over budget to begin with: returned unchanged.
+    assert polish(graph, start, 1)[0] == start
+
+
+def _blocks(graph):
+    problem = Problem(graph, baseline(graph), options={"progress": False})
+    ctx = _Context(True, problem, float("inf"))
+    structure = chain_structure(graph)
+    subs = [extract_subgraph(graph, s, r) for s, r in zip(structure.segments, structure.regions)]
+    return structure, subs, [ctx.options_of(sub.graph, 1) for sub in subs]
+
+
+def test_block_dag_sees_skip_connections():
+    graph = chain([1.0, 2.0, 0.5, 3.0], act=A, grad=D, per_layer=1)
+    assert block_dag(graph, *_blocks(graph)).is_chain
+    graph = unet(levels=3, ops_per_level=2, act=A, grad=D)
+    structure, subs, options = _blocks(graph)
+    dag = block_dag(graph, structure, subs, options)
+    assert not dag.is_chain
+    names = {graph.values[r].name: (dag.producer[k], dag.last_forward_reader[k])
+             for k, r in enumerate(dag.storages)}
+    # Encoder level k's output is read by the next level and, through the skip, by decoder k
+    # (segments: down.0, down.1, down.2, mid, up.2, up.1, up.0).
+    assert names["e0_1"] == (0, 6) and names["e1_1"] == (1, 5) and names["e2_1"] == (2, 4)
+    assert dag.nbytes == (A,) * len(dag.storages)
+
+
+def test_block_ilp_beats_the_chain_dp_on_a_u_shaped_graph():
+    graph = unet(levels=4, ops_per_level=3, act=A, grad=D)
+    low = peak_lower_bound(graph)
+    budget = int(low + 0.3 * (baseline(graph) - low))
+
+    def run(**options):
+        return get_solver("hierarchical").solve(Problem(
+            graph, budget, time_limit=60, options={"progress": False, "exact_top": False, **options}))
+
+    with_ilp, chain_only = run(), run(block_ilp=False)
+    assert "upper level: block ILP" in with_ilp.detail
+    assert "upper level: chain DP" in chain_only.detail
+    for result in (with_ilp, chain_only):
+        assert result.status == "feasible" and result.simulation.peak_bytes <= budget
+    assert with_ilp.simulation.time < chain_only.simulation.time
+    exact = get_solver("ilp").solve(Problem(graph, budget, time_limit=60))
+    assert exact.status == "optimal"
+    # Recomputation: ILP 14 s, block ILP 19 s, chain DP 24 s on this graph.
+    assert with_ilp.simulation.recompute_time < 1.5 * exact.simulation.recompute_time
+    assert run().schedule == with_ilp.schedule  # deterministic

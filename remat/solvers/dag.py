@@ -1,0 +1,358 @@
+"""The upper level for graphs that are not chains: an ILP over block options (HiRemate's HILP).
+
+NOTE [ The block ILP ]
+The chain DP (:mod:`remat.solvers.chain`) sees a sequence of blocks, each reading only the one
+before it. A U-Net's decoder reads encoder features from far back, a model's head may read an
+early embedding: storages that cross several blocks. The chain model counts such a storage in
+every cut it crosses and cannot drop it and recompute it later, so it over-charges memory and
+misses schedules. Here the blocks (the same segments, regions and options) form a DAG, and an ILP
+decides, for backward *stages* t = 0..n-1 (stage t runs the backward of block b(t) = n-1-t):
+
+* ``S[c, o]``: the first forward of block c keeps option o's activations (one option per block);
+  ``s[r]``: storage r that crosses blocks is kept from the first forward;
+* ``A[t, c, o]``: block c's option-o activations are alive at the start of stage t;
+* ``RF[t, c, o]``: block c's forward is rerun in stage t keeping option o's activations;
+  ``RN[t, c]``: it is rerun keeping nothing (to remake the storages it hands to others);
+* ``K[t, r]``: storage r is alive at the start of stage t;
+* ``U[t, o]``: block b(t)'s backward runs with option o.
+
+Constraints: one option per backward; an option's activations come from the first forward or a
+rerun (``A[t+1] <= A[t] + RF[t]``, ``A[0] <= S``); a storage is alive only if kept or remade
+(``K[t+1, r] <= K[t, r] + remade[t, r]``); a rerun or a backward needs every storage it reads
+(kept, or remade earlier in the same stage: reruns run in forward order); memory at each
+backward, at each rerun and at each block of the first forward stays within the capacity. The
+objective is the time of the reruns and of the chosen backwards.
+
+The model's memory accounting is approximate (storages remade in a stage count for the whole
+stage, an option's backward peak is taken from its block alone, pending gradients from the
+regions' fixed backward memory), so, as for the chain DP, the simulator judges: we solve at the
+budget, then at lower capacities while the simulated peak is over it. The actions become one
+schedule with :func:`remat.solvers.hierarchical.assemble`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from ..errors import ScheduleError
+from ..graph import RematGraph, ValueKind
+from ..liveness import liveness
+from ..schedule import Schedule, Simulation, simulate
+from ..segments import Chain
+from ..subgraph import Subgraph
+from .ilp import _binary_factory, make_mip_solver, quiet_stdout
+from .options import BlockOptions
+
+__all__ = ["BlockDAG", "block_dag", "solve_block_dag"]
+
+log = logging.getLogger(__name__)
+
+# Bound on branch-and-bound nodes per solve: the answer must not depend on machine load.
+_MAX_NODES = 2_000
+
+
+@dataclass(frozen=True)
+class BlockDAG:
+    """Blocks of a chain seen as a DAG: what crosses between them and who reads it.
+
+    Attributes:
+        storages: Storage roots (global value indices) produced by one block and read by
+            another block's forward or backward.
+        producer: Block producing each storage.
+        remakeable: Whether rerunning its block remakes it (its producer is recomputable).
+        nbytes: Size of each storage.
+        forward_reads: For each block, the storages its forward (keep-nothing) reads.
+        option_forward_reads / option_backward_reads: For each block and option, storages read
+            by the option's forward / its backward list (inputs of internal recomputations
+            and values of other blocks its backward ops read).
+        forward_live: For each block, bytes of crossing storages the unmodified forward holds
+            while the block runs (produced before it, read by it or later forward ops).
+        last_forward_reader: For each storage, the last block whose forward reads it.
+        option_forward_time: For each block and option, seconds of the option's forward.
+        backward_base: For each block, fixed backward-side bytes when its region starts.
+        forward_base: For each block, model outputs produced before it.
+        is_chain: True if every storage is read only by the block right after its producer.
+    """
+
+    storages: tuple[int, ...]
+    producer: tuple[int, ...]
+    remakeable: tuple[bool, ...]
+    nbytes: tuple[int, ...]
+    forward_reads: tuple[frozenset[int], ...]
+    option_forward_reads: tuple[tuple[frozenset[int], ...], ...]
+    option_backward_reads: tuple[tuple[frozenset[int], ...], ...]
+    forward_live: tuple[int, ...]
+    last_forward_reader: tuple[int, ...]
+    option_forward_time: tuple[tuple[float, ...], ...]
+    backward_base: tuple[int, ...]
+    forward_base: tuple[int, ...]
+    is_chain: bool
+
+
+def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
+              options: list[BlockOptions]) -> BlockDAG:
+    """The :class:`BlockDAG` of a chain's segments (see NOTE [ The block ILP ])."""
+    values, ops = graph.values, graph.ops
+    nf = graph.num_forward
+    root = graph.storage_root
+    block_of_op = {i: k for k, seg in enumerate(chain.segments) for i in seg}
+    pinned = {root[v] for v in graph.user_outputs}
+
+    def crossing(block: int, sub: Subgraph, local_ops) -> frozenset[int]:
+        """Storages of other blocks' forward that ``local_ops`` of ``sub`` read."""
+        found = set()
+        for i in local_ops:
+            for lv in sub.graph.ops[i].inputs:
+                v = sub.values[lv]
+                r = root[v]
+                p = values[r].producer
+                if (0 <= p < nf and values[r].kind is ValueKind.ACTIVATION and r not in pinned
+                        and block_of_op[p] != block and values[r].nbytes):
+                    found.add(r)
+        return frozenset(found)
+
+    n = len(subs)
+    fwd_reads, opt_f, opt_b = [], [], []
+    for c, (sub, opts) in enumerate(zip(subs, options)):
+        fwd_reads.append(crossing(c, sub, sub.graph.forward_ops))
+        opt_f.append(tuple(crossing(c, sub, o.forward) for o in opts.options))
+        opt_b.append(tuple(crossing(c, sub, o.backward) for o in opts.options))
+    storages = sorted(set().union(*fwd_reads, *(s for x in opt_f for s in x),
+                                  *(s for x in opt_b for s in x)))
+    index = {r: k for k, r in enumerate(storages)}
+
+    def remap(sets):
+        return frozenset(index[r] for r in sets)
+
+    producer = tuple(block_of_op[values[r].producer] for r in storages)
+    last_fwd = [producer[k] for k in range(len(storages))]
+    for c, reads in enumerate(fwd_reads):
+        for r in reads:
+            last_fwd[index[r]] = max(last_fwd[index[r]], c)
+    nbytes = tuple(values[r].nbytes for r in storages)
+    forward_live = tuple(
+        sum(nbytes[k] for k in range(len(storages)) if producer[k] < c <= last_fwd[k])
+        for c in range(n))
+    # A chain: every crossing storage is read (forward or backward) only by the next block.
+    readers: list[set[int]] = [set() for _ in storages]
+    for c in range(n):
+        for r in fwd_reads[c] | set().union(*opt_b[c], *opt_f[c]):
+            readers[index[r]].add(c)
+    is_chain = all(rd <= {producer[k] + 1} for k, rd in enumerate(readers))
+
+    live = liveness(graph)
+    position = {b: k for k, b in enumerate(graph.backward_ops)}
+    bwd_base, following = [0] * n, 0
+    for c in reversed(range(n)):  # regions run from the last block to the first
+        region = [position[b] for b in chain.regions[c]]
+        if region:
+            following = min(live.backward_base[k] for k in region)
+        bwd_base[c] = following
+    out_roots = [(block_of_op[values[r].producer], values[r].nbytes) for r in pinned
+                 if 0 <= values[r].producer < nf]
+    fwd_base = tuple(sum(b for p, b in out_roots if p < c) for c in range(n))
+    return BlockDAG(
+        storages=tuple(storages),
+        producer=producer,
+        remakeable=tuple(ops[values[r].producer].recomputable for r in storages),
+        nbytes=nbytes,
+        forward_reads=tuple(remap(s) for s in fwd_reads),
+        option_forward_reads=tuple(tuple(remap(s) for s in x) for x in opt_f),
+        option_backward_reads=tuple(tuple(remap(s) for s in x) for x in opt_b),
+        forward_live=forward_live,
+        last_forward_reader=tuple(last_fwd),
+        option_forward_time=tuple(
+            tuple(sum(sub.graph.ops[i].time for i in o.forward) for o in opts.options)
+            for sub, opts in zip(subs, options)),
+        backward_base=tuple(bwd_base),
+        forward_base=fwd_base,
+        is_chain=is_chain,
+    )
+
+
+class _BlockModel:
+    """The ILP of NOTE [ The block ILP ] at one memory capacity."""
+
+    def __init__(self, dag: BlockDAG, options: list[BlockOptions], capacity: int) -> None:
+        self.dag, self.options = dag, options
+        n = self.n = len(options)
+        prob = self.prob = pulp.LpProblem("remat_blocks", pulp.LpMinimize)
+        binary = _binary_factory(prob)
+        unit = max(1.0, capacity / 1e6)
+
+        def size(nbytes: int) -> float:
+            return round(nbytes / unit, 3)
+
+        cap = capacity / unit
+        nopt = [len(o.options) for o in options]
+        a = [[size(o.saved_bytes) for o in opts.options] for opts in options]
+        fpk = [[size(o.forward_peak) for o in opts.options] for opts in options]
+        bpk = [[size(o.backward_peak) for o in opts.options] for opts in options]
+        npk = [size(opts.nosave_peak) for opts in options]
+        nb = [size(x) for x in dag.nbytes]
+        storages = range(len(dag.storages))
+        # Last stage at which storage r may be read: the stage of the first block reading it.
+        first_reader = {r: n for r in storages}
+        for c in range(n):
+            for r in dag.forward_reads[c] | set().union(*dag.option_backward_reads[c],
+                                                          *dag.option_forward_reads[c]):
+                first_reader[r] = min(first_reader[r], c)
+        last_stage = {r: n - 1 - first_reader[r] for r in storages}
+
+        self.S = {(c, o): binary(f"S_{c}_{o}") for c in range(n) for o in range(nopt[c])}
+        self.s = {r: binary(f"s_{r}") for r in storages}
+        self.A, self.RF, self.RN, self.K, self.U = {}, {}, {}, {}, {}
+        for t in range(n):
+            b = n - 1 - t
+            for c in range(b + 1):
+                for o in range(nopt[c]):
+                    self.A[t, c, o] = binary(f"A_{t}_{c}_{o}")
+                    self.RF[t, c, o] = binary(f"RF_{t}_{c}_{o}")
+            for r in storages:
+                if t <= last_stage[r]:
+                    self.K[t, r] = binary(f"K_{t}_{r}")
+            for o in range(nopt[b]):
+                self.U[t, o] = binary(f"U_{t}_{o}")
+        # A rerun without saving is useful only to remake storages someone reads later; blocks
+        # after b(t) are never rerun (their storages are kept, or remade by their own stage).
+        makes = [[r for r in storages if dag.producer[r] == c and dag.remakeable[r]]
+                 for c in range(n)]
+        for t in range(n):
+            for c in range(n - 1 - t):
+                if any(t <= last_stage[r] for r in makes[c]):
+                    self.RN[t, c] = binary(f"RN_{t}_{c}")
+        A, RF, RN, K, U, S, s = self.A, self.RF, self.RN, self.K, self.U, self.S, self.s
+
+        def remade(t: int, r: int):
+            c = dag.producer[r]
+            if not dag.remakeable[r]:
+                return []
+            terms = [RN[t, c]] if (t, c) in RN else []
+            return terms + [RF[t, c, o] for o in range(nopt[c]) if (t, c, o) in RF]
+
+        def available(t: int, r: int):
+            return pulp.lpSum([K[t, r]] + remade(t, r)) if (t, r) in K else None
+
+        def require(t: int, reads, var) -> None:
+            for r in reads:
+                have = available(t, r)
+                prob.addConstraint((have >= var) if have is not None else (var == 0))
+
+        times = []
+        for t in range(n):
+            b = n - 1 - t
+            prob += pulp.lpSum(U[t, o] for o in range(nopt[b])) == 1
+            for o in range(nopt[b]):
+                prob += U[t, o] <= A[t, b, o] + RF[t, b, o]
+                require(t, dag.option_backward_reads[b][o], U[t, o])
+                times.append((U[t, o], options[b].options[o].backward_time))
+            for c in range(n):
+                reruns = [RF[t, c, o] for o in range(nopt[c]) if (t, c, o) in RF]
+                if (t, c) in RN:
+                    reruns.append(RN[t, c])
+                    require(t, dag.forward_reads[c], RN[t, c])
+                    times.append((RN[t, c], options[c].nosave_time))
+                if len(reruns) > 1:
+                    prob += pulp.lpSum(reruns) <= 1
+                for o in range(nopt[c]):
+                    if (t, c, o) in RF:
+                        require(t, dag.option_forward_reads[c][o], RF[t, c, o])
+                        times.append((RF[t, c, o], dag.option_forward_time[c][o]))
+            for c in range(b + 1):
+                for o in range(nopt[c]):
+                    before = S[c, o] if t == 0 else A[t - 1, c, o] + RF[t - 1, c, o]
+                    prob += A[t, c, o] <= before
+            for r in storages:
+                if (t, r) in K:
+                    prob += K[t, r] <= (s[r] if t == 0 else
+                                        pulp.lpSum([K[t - 1, r]] + remade(t - 1, r)))
+            # Memory while block b's backward runs.
+            kept = [(A[t, c, o], a[c][o]) for c in range(b) for o in range(nopt[c])]
+            kept += [(RF[t, c, o], a[c][o]) for c in range(b) for o in range(nopt[c])]
+            alive = [(K[t, r], nb[r]) for r in storages if (t, r) in K]
+            alive += [(x, nb[r]) for r in storages if (t, r) in K for x in remade(t, r)]
+            own = [(U[t, o], bpk[b][o]) for o in range(nopt[b])]
+            prob += pulp.LpAffineExpression(kept + alive + own) <= cap - size(dag.backward_base[b])
+            # Memory while block c is rerun in this stage (reruns go in forward order).
+            for c in range(n):
+                runs = [(RF[t, c, o], fpk[c][o]) for o in range(nopt[c]) if (t, c, o) in RF]
+                if (t, c) in RN:
+                    runs.append((RN[t, c], npk[c]))
+                if not runs:
+                    continue
+                held = [(A[t, d, o], a[d][o]) for d in range(b + 1) for o in range(nopt[d])]
+                held += [(RF[t, d, o], a[d][o]) for d in range(min(c, b + 1))
+                         for o in range(nopt[d])]
+                held += [(K[t, r], nb[r]) for r in storages if (t, r) in K]
+                held += [(x, nb[r]) for r in storages if (t, r) in K and dag.producer[r] < c
+                         for x in remade(t, r)]
+                prob += pulp.LpAffineExpression(held + runs) <= cap - size(dag.backward_base[b])
+        # The first forward: one option per block; memory at each block.
+        for c in range(n):
+            prob += pulp.lpSum(S[c, o] for o in range(nopt[c])) == 1
+            terms = [(S[d, o], a[d][o]) for d in range(c) for o in range(nopt[d])]
+            terms += [(s[r], nb[r]) for r in storages
+                      if dag.producer[r] < c and dag.last_forward_reader[r] < c]
+            terms += [(S[c, o], fpk[c][o]) for o in range(nopt[c])]
+            prob += pulp.LpAffineExpression(terms) <= cap - size(dag.forward_live[c] +
+                                                                 dag.forward_base[c])
+        prob += pulp.LpAffineExpression([(x, 1e6 * sec) for x, sec in times])
+        self.num_variables = len(prob.variables())
+
+    def actions(self) -> list[tuple]:
+        """The solution as backward-phase actions for :func:`assemble`."""
+
+        def on(var) -> bool:
+            return (var.value() or 0) > 0.5
+
+        out: list[tuple] = []
+        n = self.n
+        for t in range(n):
+            b = n - 1 - t
+            for c in range(n):
+                if (t, c) in self.RN and on(self.RN[t, c]):
+                    out.append(("F0", c))
+                for o in range(len(self.options[c].options)):
+                    if (t, c, o) in self.RF and on(self.RF[t, c, o]):
+                        out.append(("F", c, o))
+            chosen = [o for o in range(len(self.options[b].options)) if on(self.U[t, o])]
+            out.append(("B", b, chosen[0]))
+        return out
+
+
+def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
+                    options: list[BlockOptions], budget: int, *, deadline: float,
+                    attempts: int = 4) -> tuple[Schedule, Simulation] | None:
+    """The fastest schedule the block ILP finds whose simulated peak fits ``budget``.
+
+    Solves at capacity ``budget``, then, while the simulated peak is over the budget, at a
+    capacity lowered by the excess (at most ``attempts`` solves). ``None`` if none fits.
+    """
+    from .hierarchical import assemble  # the chain solver's merge step serves both levels
+
+    capacity, best = budget, None
+    for _ in range(attempts):
+        remaining = deadline - time.perf_counter()
+        if remaining < 1.0 or capacity <= 0:
+            break
+        model = _BlockModel(dag, options, capacity)
+        mip = make_mip_solver(remaining, max_nodes=_MAX_NODES)
+        with quiet_stdout():
+            model.prob.solve(mip)
+        if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            break
+        try:
+            schedule = assemble(graph, subs, options, model.actions(), backward_only=True)
+            sim = simulate(graph, schedule)
+        except (ScheduleError, ValueError) as exc:
+            log.debug("block ILP at capacity %d gave an invalid schedule: %s", capacity, exc)
+            break
+        if sim.peak_bytes <= budget:
+            if best is None or sim.time < best[1].time:
+                best = (schedule, sim)
+            break
+        capacity -= sim.peak_bytes - budget + max(1, budget // 200)
+    return best
