@@ -434,10 +434,14 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
     """
     nf = graph.num_forward
     values, ops = graph.values, graph.ops
+    # derived[u]: the views made (directly or not) from u; made stale when u is remade.
     chain: dict[int, set[int]] = {}
+    derived: dict[int, set[int]] = {}
     for v, value in enumerate(values):
         if value.alias_of is not None:
             chain[v] = {value.alias_of} | chain.get(value.alias_of, set())
+            for u in chain[v]:
+                derived.setdefault(u, set()).add(v)
     available = set(schedule.saved) | set(graph.always_available) | set(graph.user_outputs)
     available |= {v for v, value in enumerate(values) if value.kind is ValueKind.TANGENT}
     order: list[int] = []
@@ -462,7 +466,7 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
             materialize(u)
         order.append(i)
         if i < nf:
-            fresh = set(op.outputs)
-            available -= {w for w in available if chain.get(w, set()) & fresh}
+            for v in op.outputs:
+                available -= derived.get(v, set())
         available.update(op.outputs)
     return Schedule(schedule.forward, schedule.saved, tuple(order))
