@@ -8,9 +8,13 @@ is split along its child modules, or, where there are none, at the forward posit
 crossing values are smallest. A block whose ops are interleaved with another's is merged with
 it, so segments are contiguous in forward order.
 
-Each backward op belongs to the *region* of one segment: the latest segment whose forward values
-it reads, else the segment of the module it differentiates (if that module lives in one segment),
-else its predecessor's. A
+Each backward op belongs to the *region* of one segment. Two rules, and the hierarchical solver
+tries both (neither wins on every model and budget): by *reads*, the latest segment whose
+forward values it reads, else the segment of the module it differentiates (if that module
+lives in one segment), else its predecessor's; by *module*, the module's segment first (unless
+it reads values of a later segment). By reads, a conv's input-gradient, which reads only the
+conv's input, joins the previous segment's region, and the gradient flowing between the two is
+invisible to the chain model: at low budgets on a ResNet that costs half the recomputation. A
 backward op may not run before a backward op it reads from, so it moves to a later region when
 needed. Regions run in reverse segment order, each in the original backward order.
 
@@ -130,8 +134,19 @@ def _cheap_cuts(graph: RematGraph, ops: list[int], max_ops: int) -> list[list[in
     return pieces
 
 
-def chain_structure(graph: RematGraph, *, max_block_ops: int = 120) -> Chain:
-    """Segments, regions and sizes of ``graph``. See NOTE [ Segments and regions ]."""
+REGION_RULES = ("reads", "module")
+
+
+def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str = "reads"
+                    ) -> Chain:
+    """Segments, regions and sizes of ``graph``. See NOTE [ Segments and regions ].
+
+    ``regions`` picks the rule for backward ops: ``"reads"`` (latest segment whose values it
+    reads) or ``"module"`` (the segment of the module it differentiates, where possible).
+    """
+    if regions not in REGION_RULES:
+        raise ValueError(f"regions={regions!r}: choose one of {REGION_RULES}")
+    by_module = regions == "module"
     values, ops = graph.values, graph.ops
     nf = graph.num_forward
     fwd = list(graph.forward_ops)
@@ -153,10 +168,14 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120) -> Chain:
         op = ops[b]
         owners = {seg_of[values[v].producer] for v in live.needs[k]
                   if 0 <= values[v].producer < nf}
-        if owners:
+        home = (next(iter(path_segs[op.module]))
+                if op.module and len(path_segs.get(op.module, ())) == 1 else None)
+        if home is not None and (home >= max(owners, default=-1) if by_module else not owners):
+            # The segment of the module it differentiates: a conv's input-gradient reads
+            # only the conv's input (the previous segment's value), yet runs with its block.
+            region = home
+        elif owners:
             region = max(owners)
-        elif op.module and len(path_segs.get(op.module, ())) == 1:
-            region = next(iter(path_segs[op.module]))
         else:
             region = previous
         for v in op.inputs:  # never before a backward op it reads from

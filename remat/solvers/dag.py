@@ -72,7 +72,7 @@ class BlockDAG:
             while the block runs (produced before it, read by it or later forward ops).
         last_forward_reader: For each storage, the last block whose forward reads it.
         option_forward_time: For each block and option, seconds of the option's forward.
-        backward_base: For each block, fixed backward-side bytes when its region starts.
+        backward_base: For each block, backward-side bytes alive when its region starts.
         forward_base: For each block, model outputs produced before it.
         is_chain: True if every storage is read only by the block right after its producer.
     """
@@ -143,14 +143,7 @@ def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
             readers[index[r]].add(c)
     is_chain = all(rd <= {producer[k] + 1} for k, rd in enumerate(readers))
 
-    live = liveness(graph)
-    position = {b: k for k, b in enumerate(graph.backward_ops)}
-    bwd_base, following = [0] * n, 0
-    for c in reversed(range(n)):  # regions run from the last block to the first
-        region = [position[b] for b in chain.regions[c]]
-        if region:
-            following = min(live.backward_base[k] for k in region)
-        bwd_base[c] = following
+    bwd_base = _incoming_backward_bytes(graph, chain)
     out_roots = [(block_of_op[values[r].producer], values[r].nbytes) for r in pinned
                  if 0 <= values[r].producer < nf]
     fwd_base = tuple(sum(b for p, b in out_roots if p < c) for c in range(n))
@@ -171,6 +164,40 @@ def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
         forward_base=fwd_base,
         is_chain=is_chain,
     )
+
+
+def _incoming_backward_bytes(graph: RematGraph, chain: Chain) -> list[int]:
+    """For each block, the backward-side bytes alive when its region starts (regions run from
+    the last block to the first): gradients made by earlier regions and still to be read
+    there or later, parameter gradients, tangents, model outputs. What the region itself makes
+    is in its options' backward peaks."""
+    values, ops = graph.values, graph.ops
+    root = graph.storage_root
+    order = [b for region in reversed(chain.regions) for b in region]
+    region_of = {b: c for c, region in enumerate(chain.regions) for b in region}
+    kept_to_end = {root[v] for v in graph.backward_outputs}
+    last_region: dict[int, int] = {}  # storage -> the last region (lowest index) reading it
+    born: dict[int, int] = {}  # storage -> region that makes it (n for tangents)
+    n = len(chain.regions)
+    for v, value in enumerate(values):
+        if value.kind is ValueKind.TANGENT and value.nbytes:
+            born[v] = n
+    for b in order:
+        c = region_of[b]
+        for v in ops[b].inputs:
+            r = root[v]
+            if r in born:
+                last_region[r] = min(last_region.get(r, c), c)
+        for v in ops[b].outputs:
+            r = root[v]
+            if values[r].kind is ValueKind.GRADIENT and values[r].nbytes and r not in born:
+                born[r] = c
+    out = []
+    for c in range(n):
+        alive = sum(values[r].nbytes for r, made in born.items()
+                    if made > c and (r in kept_to_end or last_region.get(r, made) <= c))
+        out.append(alive + liveness(graph).output_bytes)
+    return out
 
 
 class _BlockModel:

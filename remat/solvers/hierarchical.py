@@ -29,7 +29,7 @@ from typing import ClassVar
 from ..errors import ScheduleError
 from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
-from ..segments import Chain, chain_structure
+from ..segments import REGION_RULES, Chain, chain_structure
 from ..subgraph import Subgraph, extract_subgraph
 from .base import Problem, SolveResult, finish
 from .chain import ChainTable, Stage, StageOption, solve_chain
@@ -78,11 +78,13 @@ class HierarchicalSolver:
         started = time.perf_counter()
         deadline = started + problem.time_limit
         graph = problem.graph
-        found = [self._hierarchical(problem, self.use_ilp, deadline)]
+        # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
+        # neither wins everywhere, and the simulator tells which schedule is faster.
+        found = [self._hierarchical(problem, self.use_ilp, deadline, rule) for rule in REGION_RULES]
         if self.use_ilp:
-            # The same hierarchy with keep-all/keep-nothing options only: cheap, and its DP
+            # The same hierarchies with keep-all/keep-nothing options only: cheap, and their DP
             # model is sometimes the more accurate one at very low budgets.
-            found.append(self._hierarchical(problem, False, deadline))
+            found += [self._hierarchical(problem, False, deadline, rule) for rule in REGION_RULES]
             remaining = deadline - time.perf_counter()
             if problem.options.get("exact_top", True) and remaining > 2.0 and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES:
                 # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
@@ -101,11 +103,12 @@ class HierarchicalSolver:
         return finish(self.name, problem, lowest.schedule, started, proven=False,
                       detail=f"{lowest.solver}: {lowest.detail}")
 
-    def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float) -> SolveResult:
+    def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str
+                      ) -> SolveResult:
         started = time.perf_counter()
         graph = problem.graph
-        ctx = _Context(use_ilp, problem, deadline)
-        chain = chain_structure(graph, max_block_ops=ctx.max_block_ops)
+        ctx = _Context(use_ilp, problem, deadline, regions)
+        chain = chain_structure(graph, max_block_ops=ctx.max_block_ops, regions=regions)
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
         ctx.close()
@@ -113,7 +116,7 @@ class HierarchicalSolver:
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
                             slots=_SLOTS)
         best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
-        upper = "chain DP"
+        candidates = {"chain DP": best} if best is not None else {}
         dag = block_dag(graph, chain, subs, options)
         if (use_ilp and problem.options.get("block_ilp", True) and not dag.is_chain
                 and len(subs) <= _DAG_MAX_BLOCKS and time.perf_counter() < deadline):
@@ -121,14 +124,16 @@ class HierarchicalSolver:
             found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
                                     deadline=min(deadline, time.perf_counter() + _DAG_SHARE *
                                                  problem.time_limit))
-            if found is not None and (best is None or found[1].time < simulate(graph, best).time):
-                best, upper = found[0], "block ILP"
-        if best is not None:
-            best, _ = polish(graph, best, problem.budget_bytes, deadline=deadline,
-                             max_trials=_POLISH_TRIALS)
+            if found is not None:
+                candidates["block ILP"] = found[0]
+        polished = {upper: polish(graph, schedule, problem.budget_bytes, deadline=deadline,
+                                  max_trials=_POLISH_TRIALS)
+                    for upper, schedule in candidates.items()}
+        upper = min(polished, key=lambda k: polished[k][1].time, default="chain DP")
+        best = polished[upper][0] if polished else None
         name = "hierarchical" if use_ilp else "dp"
         detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
-                  f"({ctx.reused} reused); upper level: {upper}")
+                  f"({ctx.reused} reused); regions by {regions}; upper level: {upper}")
         if best is None:
             from ..schedule import save_all_schedule
 
@@ -140,9 +145,11 @@ class HierarchicalSolver:
 class _Context:
     """Shared state of one hierarchical solve: the option cache keyed by block structure."""
 
-    def __init__(self, use_ilp: bool, problem: Problem, deadline: float) -> None:
+    def __init__(self, use_ilp: bool, problem: Problem, deadline: float, regions: str = "reads"
+                 ) -> None:
         opts = problem.options
         self.use_ilp = use_ilp
+        self.regions = regions
         self.leaf_ops = int(opts.get("leaf_ops", 40))
         self.max_block_ops = int(opts.get("max_block_ops", 120))
         self.option_time_limit = opts.get("option_time_limit")
@@ -165,7 +172,8 @@ class _Context:
     def _solve_block(self, sub: RematGraph, depth: int) -> BlockOptions:
         small = sub.num_forward <= self.leaf_ops
         if not small and depth < 6:
-            chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2))
+            chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2),
+                                    regions=self.regions)
             if len(chain.segments) > 1:
                 return self._compose(sub, chain, depth)
         remaining = max(0.0, self.deadline - time.perf_counter())

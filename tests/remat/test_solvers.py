@@ -124,7 +124,7 @@ def test_block_dag_sees_skip_connections():
 
 
 def test_block_ilp_beats_the_chain_dp_on_a_u_shaped_graph():
-    graph = unet(levels=4, ops_per_level=3, act=A, grad=D)
+    graph = unet(levels=4, ops_per_level=3, act=A, grad=D, enc_time=2.0, dec_time=1.0)
     low = peak_lower_bound(graph)
     budget = int(low + 0.3 * (baseline(graph) - low))
 
@@ -140,6 +140,6 @@ def test_block_ilp_beats_the_chain_dp_on_a_u_shaped_graph():
     assert with_ilp.simulation.time < chain_only.simulation.time
     exact = get_solver("ilp").solve(Problem(graph, budget, time_limit=60))
     assert exact.status == "optimal"
-    # Recomputation: ILP 14 s, block ILP 19 s, chain DP 24 s on this graph.
-    assert with_ilp.simulation.recompute_time < 1.5 * exact.simulation.recompute_time
+    # Recomputation: ILP 19 s, block ILP 22 s, chain DP 25 s on this graph.
+    assert with_ilp.simulation.recompute_time < 1.2 * exact.simulation.recompute_time
     assert run().schedule == with_ilp.schedule  # deterministic
