@@ -24,10 +24,10 @@ backward, at each rerun and at each block of the first forward stays within the 
 objective is the time of the reruns and of the chosen backwards.
 
 The model's memory accounting is approximate (storages remade in a stage count for the whole
-stage, an option's backward peak is taken from its block alone, pending gradients from the
-regions' fixed backward memory), so, as for the chain DP, the simulator judges: we solve at the
-budget, then at lower capacities while the simulated peak is over it. The actions become one
-schedule with :func:`remat.solvers.hierarchical.assemble`.
+stage, an option's backward peak is taken from its block alone), so, as for the chain DP, the
+simulator judges: we solve at the budget, then at a lower capacity while the simulated peak is
+over it, or a higher one while the model finds nothing or leaves memory unused. The actions
+become one schedule with :func:`remat.solvers.hierarchical.assemble`.
 """
 from __future__ import annotations
 
@@ -200,6 +200,16 @@ def _incoming_backward_bytes(graph: RematGraph, chain: Chain) -> list[int]:
     return out
 
 
+def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
+    """Sum of coefficient * variable, adding up repeated variables (``LpAffineExpression``
+    built from pairs keeps only the last coefficient of a variable that appears twice: a
+    rerun counted for the activations it keeps and for the storages it remakes lost one)."""
+    total: dict[pulp.LpVariable, float] = {}
+    for var, coef in terms:
+        total[var] = total.get(var, 0.0) + coef
+    return pulp.LpAffineExpression(list(total.items()))
+
+
 class _BlockModel:
     """The ILP of NOTE [ The block ILP ] at one memory capacity."""
 
@@ -302,7 +312,7 @@ class _BlockModel:
             alive = [(K[t, r], nb[r]) for r in storages if (t, r) in K]
             alive += [(x, nb[r]) for r in storages if (t, r) in K for x in remade(t, r)]
             own = [(U[t, o], bpk[b][o]) for o in range(nopt[b])]
-            prob += pulp.LpAffineExpression(kept + alive + own) <= cap - size(dag.backward_base[b])
+            prob += _affine(kept + alive + own) <= cap - size(dag.backward_base[b])
             # Memory while block c is rerun in this stage (reruns go in forward order).
             for c in range(n):
                 runs = [(RF[t, c, o], fpk[c][o]) for o in range(nopt[c]) if (t, c, o) in RF]
@@ -316,7 +326,7 @@ class _BlockModel:
                 held += [(K[t, r], nb[r]) for r in storages if (t, r) in K]
                 held += [(x, nb[r]) for r in storages if (t, r) in K and dag.producer[r] < c
                          for x in remade(t, r)]
-                prob += pulp.LpAffineExpression(held + runs) <= cap - size(dag.backward_base[b])
+                prob += _affine(held + runs) <= cap - size(dag.backward_base[b])
         # The first forward: one option per block; memory at each block.
         for c in range(n):
             prob += pulp.lpSum(S[c, o] for o in range(nopt[c])) == 1
@@ -324,9 +334,9 @@ class _BlockModel:
             terms += [(s[r], nb[r]) for r in storages
                       if dag.producer[r] < c and dag.last_forward_reader[r] < c]
             terms += [(S[c, o], fpk[c][o]) for o in range(nopt[c])]
-            prob += pulp.LpAffineExpression(terms) <= cap - size(dag.forward_live[c] +
+            prob += _affine(terms) <= cap - size(dag.forward_live[c] +
                                                                  dag.forward_base[c])
-        prob += pulp.LpAffineExpression([(x, 1e6 * sec) for x, sec in times])
+        prob += _affine([(x, 1e6 * sec) for x, sec in times])
         self.num_variables = len(prob.variables())
 
     def actions(self) -> list[tuple]:
@@ -352,34 +362,48 @@ class _BlockModel:
 
 def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
                     options: list[BlockOptions], budget: int, *, deadline: float,
-                    attempts: int = 4) -> tuple[Schedule, Simulation] | None:
+                    attempts: int = 5) -> tuple[Schedule, Simulation] | None:
     """The fastest schedule the block ILP finds whose simulated peak fits ``budget``.
 
-    Solves at capacity ``budget``, then, while the simulated peak is over the budget, at a
-    capacity lowered by the excess (at most ``attempts`` solves). ``None`` if none fits.
+    The model's memory is approximate in both directions, so the simulator judges: solve at
+    capacity ``budget``; while the simulated peak is over the budget, lower the capacity by
+    the excess; while the model finds nothing, or its schedule leaves memory unused, raise
+    it (the model was pessimistic) by the unused part, at least 2%. At most ``attempts``
+    solves, each bounded in branch-and-bound nodes. ``None`` if no schedule fits.
     """
     from .hierarchical import assemble  # the chain solver's merge step serves both levels
 
     capacity, best = budget, None
+    tried: set[int] = set()
     for _ in range(attempts):
         remaining = deadline - time.perf_counter()
-        if remaining < 1.0 or capacity <= 0:
+        if remaining < 1.0 or capacity <= 0 or capacity in tried:
             break
+        tried.add(capacity)
         model = _BlockModel(dag, options, capacity)
         mip = make_mip_solver(remaining, max_nodes=_MAX_NODES)
         with quiet_stdout():
             model.prob.solve(mip)
         if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            break
+            if best is not None or capacity < budget:
+                break  # lowering found nothing better; or a fitting schedule is known
+            capacity += max(1, budget // 50)
+            continue
         try:
             schedule = assemble(graph, subs, options, model.actions(), backward_only=True)
             sim = simulate(graph, schedule)
         except (ScheduleError, ValueError) as exc:
             log.debug("block ILP at capacity %d gave an invalid schedule: %s", capacity, exc)
             break
-        if sim.peak_bytes <= budget:
-            if best is None or sim.time < best[1].time:
-                best = (schedule, sim)
+        if sim.peak_bytes > budget:
+            if best is not None:
+                break
+            capacity -= sim.peak_bytes - budget + max(1, budget // 200)
+            continue
+        if best is None or sim.time < best[1].time:
+            best = (schedule, sim)
+        unused = budget - sim.peak_bytes
+        if unused < budget // 100:
             break
-        capacity -= sim.peak_bytes - budget + max(1, budget // 200)
+        capacity += max(unused, budget // 50)
     return best

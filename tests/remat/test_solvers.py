@@ -143,3 +143,14 @@ def test_block_ilp_beats_the_chain_dp_on_a_u_shaped_graph():
     # Recomputation: ILP 19 s, block ILP 22 s, chain DP 25 s on this graph.
     assert with_ilp.simulation.recompute_time < 1.2 * exact.simulation.recompute_time
     assert run().schedule == with_ilp.schedule  # deterministic
+
+
+def test_region_rules_place_input_gradients():
+    """Backward op b_i of the chain reads only a_{i-1}, the previous layer's output (like a
+    conv's input-gradient): by reads it joins layer i-1's region, by module layer i's."""
+    graph = chain([1.0, 2.0, 0.5, 3.0], act=A, grad=D, per_layer=1)
+    name_of = lambda structure: [[graph.ops[b].name for b in region] for region in structure.regions]
+    assert name_of(chain_structure(graph, regions="module")) == [["b1"], ["b2"], ["b3"], ["b4"]]
+    assert name_of(chain_structure(graph, regions="reads")) == [["b2", "b1"], ["b3"], ["b4"], []]
+    with pytest.raises(ValueError, match=r"regions='modules'.*'reads', 'module'"):
+        chain_structure(graph, regions="modules")
