@@ -362,48 +362,57 @@ class _BlockModel:
 
 def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
                     options: list[BlockOptions], budget: int, *, deadline: float,
-                    attempts: int = 5) -> tuple[Schedule, Simulation] | None:
+                    attempts: int = 6) -> tuple[Schedule, Simulation] | None:
     """The fastest schedule the block ILP finds whose simulated peak fits ``budget``.
 
-    The model's memory is approximate in both directions, so the simulator judges: solve at
-    capacity ``budget``; while the simulated peak is over the budget, lower the capacity by
-    the excess; while the model finds nothing, or its schedule leaves memory unused, raise
-    it (the model was pessimistic) by the unused part, at least 2%. At most ``attempts``
-    solves, each bounded in branch-and-bound nodes. ``None`` if no schedule fits.
+    The model's memory is approximate in both directions, so the simulator judges, and the
+    capacity given to the model is searched: starting at ``budget``, it goes down when the
+    simulated peak is over the budget, up when the model finds nothing (it was pessimistic)
+    or its schedule leaves memory unused, and halves the bracket once both a too-low and a
+    too-high capacity are known. At most ``attempts`` solves, each bounded in branch-and-bound
+    nodes. ``None`` if no schedule fits.
     """
     from .hierarchical import assemble  # the chain solver's merge step serves both levels
 
+    step = max(1, budget // 33)  # ~3% of the budget
     capacity, best = budget, None
-    tried: set[int] = set()
+    too_low, too_high = None, None  # the model finds nothing / its schedule does not fit
     for _ in range(attempts):
         remaining = deadline - time.perf_counter()
-        if remaining < 1.0 or capacity <= 0 or capacity in tried:
+        if remaining < 1.0 or capacity <= 0:
             break
-        tried.add(capacity)
         model = _BlockModel(dag, options, capacity)
         mip = make_mip_solver(remaining, max_nodes=_MAX_NODES)
         with quiet_stdout():
             model.prob.solve(mip)
-        if model.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            if best is not None or capacity < budget:
-                break  # lowering found nothing better; or a fitting schedule is known
-            capacity += max(1, budget // 50)
-            continue
-        try:
-            schedule = assemble(graph, subs, options, model.actions(), backward_only=True)
-            sim = simulate(graph, schedule)
-        except (ScheduleError, ValueError) as exc:
-            log.debug("block ILP at capacity %d gave an invalid schedule: %s", capacity, exc)
-            break
-        if sim.peak_bytes > budget:
-            if best is not None:
+        sim = None
+        if model.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            try:
+                schedule = assemble(graph, subs, options, model.actions(), backward_only=True)
+                sim = simulate(graph, schedule)
+            except (ScheduleError, ValueError) as exc:
+                log.debug("block ILP at capacity %d gave an invalid schedule: %s", capacity, exc)
                 break
-            capacity -= sim.peak_bytes - budget + max(1, budget // 200)
-            continue
-        if best is None or sim.time < best[1].time:
-            best = (schedule, sim)
-        unused = budget - sim.peak_bytes
-        if unused < budget // 100:
-            break
-        capacity += max(unused, budget // 50)
+        log.debug("block ILP at %.3f of the budget: %s", capacity / budget,
+                  "no solution" if sim is None else f"simulated peak {sim.peak_bytes / budget:.3f}")
+        if sim is None:
+            too_low = capacity
+        elif sim.peak_bytes > budget:
+            too_high = capacity
+        else:
+            if best is None or sim.time < best[1].time:
+                best = (schedule, sim)
+            if budget - sim.peak_bytes < budget // 100:
+                break
+            too_low = capacity  # fits with memory to spare: a higher capacity may be faster
+        if too_high is None and sim is not None and sim.peak_bytes <= budget:
+            capacity += max(step, budget - sim.peak_bytes)
+        elif too_low is not None and too_high is not None:
+            if too_high - too_low <= max(1, budget // 200):
+                break
+            capacity = (too_low + too_high) // 2
+        elif too_high is not None:
+            capacity = too_high - (sim.peak_bytes - budget) - max(1, budget // 200)
+        else:
+            capacity = too_low + step
     return best
