@@ -47,7 +47,7 @@ _TOP_ILP_VARIABLES = 4_000  # graphs whose whole ILP is this small are also solv
 _TOP_ILP_SHARE = 0.25  # of the time limit, for that exact solve (it finds its optimum early)
 # ... and a bound on its work, so that the same graph gets the same schedule on a busy machine
 # (the time cap remains a safety net; DDP ranks share rank 0's plan through the cache anyway).
-_TOP_ILP_NODES = 2_000
+_TOP_ILP_NODES = 300
 _INNER_SLOTS = 200
 _HEADROOM = 1.6
 _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * options) binaries

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -53,6 +54,21 @@ _DEFAULT_MAX_VARIABLES = 60_000
 MIP_REL_GAP = 5e-3
 
 
+class _HiGHS(pulp.HiGHS):
+    """PuLP's HiGHS interface, knowing one more status: when ``mip_max_nodes`` stops the
+    search HiGHS reports ``kSolutionLimit``, which PuLP 3.3 has no entry for (``KeyError``
+    after the variables were already filled in). Reported like PuLP reports a time limit."""
+
+    def findSolutionValues(self, lp):  # noqa: N802 - PuLP's name
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:
+            info = lp.solverModel.getInfo()
+            if info.primal_solution_status == 2 and math.isfinite(info.objective_function_value):
+                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
+
 def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | None = None
                     ) -> pulp.LpSolver:
     """HiGHS when ``highspy`` is installed (much faster), else PuLP's bundled CBC.
@@ -62,7 +78,7 @@ def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | No
     """
     limit = max(1.0, float(time_limit))
     extra = {"mip_max_nodes": int(max_nodes)} if max_nodes is not None else {}
-    highs = pulp.HiGHS(msg=msg, timeLimit=limit, threads=1, gapRel=MIP_REL_GAP, **extra)
+    highs = _HiGHS(msg=msg, timeLimit=limit, threads=1, gapRel=MIP_REL_GAP, **extra)
     if highs.available():
         return highs
     return pulp.PULP_CBC_CMD(msg=msg, timeLimit=int(limit) + 1, threads=1, gapRel=MIP_REL_GAP)
@@ -286,7 +302,8 @@ class ILPSolver:
             prob.solve(mip)
         status = pulp.LpStatus[prob.status]
         solution = pulp.constants.LpSolution.get(prob.sol_status, str(prob.sol_status))
-        detail = f"{type(mip).__name__}: {status} / {solution}; {model.num_variables} binaries"
+        backend = "HiGHS" if isinstance(mip, pulp.HiGHS) else "CBC"
+        detail = f"{backend}: {status} / {solution}; {model.num_variables} binaries"
         has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
         if not has_solution:
             fallback = save_all_schedule(graph)

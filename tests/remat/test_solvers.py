@@ -154,3 +154,33 @@ def test_region_rules_place_input_gradients():
     assert name_of(chain_structure(graph, regions="reads")) == [["b2", "b1"], ["b3"], ["b4"], []]
     with pytest.raises(ValueError, match=r"regions='modules'.*'reads', 'module'"):
         chain_structure(graph, regions="modules")
+
+
+def test_mip_node_limit_returns_the_incumbent_not_a_crash():
+    """HiGHS stopped by ``mip_max_nodes`` reports ``kSolutionLimit``, a status PuLP 3.3 cannot
+    map (it raised KeyError inside ``prob.solve``, which would have crashed a solve)."""
+    highspy = pytest.importorskip("highspy")
+    import random
+
+    import pulp
+
+    from remat.solvers.ilp import _binary_factory, make_mip_solver, quiet_stdout
+
+    rng = random.Random(0)
+    n = 30
+    prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
+    binary = _binary_factory(prob)
+    xs = [binary(f"x{i}") for i in range(n)]
+    w = [rng.randint(20, 60) for _ in range(n)]
+    prob += pulp.lpSum((wi + rng.randint(-5, 5)) * x for wi, x in zip(w, xs))
+    rows = []
+    for _ in range(3):
+        weights = [rng.randint(20, 60) for _ in range(n)]
+        rows.append((weights, sum(weights) // 3))
+        prob += pulp.lpSum(c * x for c, x in zip(weights, xs)) <= sum(weights) // 3
+    with quiet_stdout():
+        prob.solve(make_mip_solver(10, max_nodes=1))
+    assert prob.solverModel.getModelStatus() == highspy.HighsModelStatus.kSolutionLimit
+    assert prob.sol_status == pulp.LpSolutionIntegerFeasible
+    chosen = [round(x.value()) for x in xs]
+    assert all(sum(c * x for c, x in zip(weights, chosen)) <= cap for weights, cap in rows)
