@@ -137,6 +137,7 @@ def pareto(options: list[BlockOption]) -> tuple[BlockOption, ...]:
 def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: int = 20_000,
                   save_grid: tuple[float, ...] = SAVE_GRID, peak_grid: tuple[float, ...] = PEAK_GRID,
                   peak_range_grid: tuple[float, ...] = PEAK_RANGE_GRID,
+                  max_nodes: int | None = None,
                   use_ilp: bool = True) -> BlockOptions:
     """Compute the options of a block. See NOTE [ Block options ].
 
@@ -149,6 +150,7 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
         peak_range_grid: More limits, as fractions of the way from its lowest known peak (the
             "least memory" option's) to its peak when keeping everything.
         use_ilp: Compute the in-between options with the ILP (else only "all" and "none").
+        max_nodes: Bound on each ILP's branch-and-bound nodes (HiGHS), besides the time limit.
 
     Returns:
         The block's :class:`BlockOptions`.
@@ -175,7 +177,7 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
                           for f in peak_range_grid if top > low})
             limits += [(name, peak, None) for peak, name in sorted(peaks.items())]
             for name, peak, kept in limits:
-                options = {"max_variables": max_variables}
+                options = {"max_variables": max_variables, "max_nodes": max_nodes}
                 if kept is not None:
                     options["save_budget"] = kept
                 result = ILPSolver().solve(Problem(sub, peak, time_limit=time_limit, options=options))
