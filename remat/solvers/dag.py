@@ -71,6 +71,7 @@ class BlockDAG:
         forward_live: For each block, bytes of crossing storages the unmodified forward holds
             while the block runs (produced before it, read by it or later forward ops).
         last_forward_reader: For each storage, the last block whose forward reads it.
+        first_reader: For each storage, the first block that reads it (forward or backward).
         option_forward_time: For each block and option, seconds of the option's forward.
         backward_base: For each block, backward-side bytes alive when its region starts.
         forward_base: For each block, model outputs produced before it.
@@ -86,6 +87,7 @@ class BlockDAG:
     option_backward_reads: tuple[tuple[frozenset[int], ...], ...]
     forward_live: tuple[int, ...]
     last_forward_reader: tuple[int, ...]
+    first_reader: tuple[int, ...]
     option_forward_time: tuple[tuple[float, ...], ...]
     backward_base: tuple[int, ...]
     forward_base: tuple[int, ...]
@@ -142,6 +144,7 @@ def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
         for r in fwd_reads[c] | set().union(*opt_b[c], *opt_f[c]):
             readers[index[r]].add(c)
     is_chain = all(rd <= {producer[k] + 1} for k, rd in enumerate(readers))
+    first_reader = tuple(min(rd) for rd in readers)
 
     bwd_base = _incoming_backward_bytes(graph, chain)
     out_roots = [(block_of_op[values[r].producer], values[r].nbytes) for r in pinned
@@ -157,6 +160,7 @@ def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
         option_backward_reads=tuple(tuple(remap(s) for s in x) for x in opt_b),
         forward_live=forward_live,
         last_forward_reader=tuple(last_fwd),
+        first_reader=first_reader,
         option_forward_time=tuple(
             tuple(sum(sub.graph.ops[i].time for i in o.forward) for o in opts.options)
             for sub, opts in zip(subs, options)),
@@ -192,12 +196,10 @@ def _incoming_backward_bytes(graph: RematGraph, chain: Chain) -> list[int]:
             r = root[v]
             if values[r].kind is ValueKind.GRADIENT and values[r].nbytes and r not in born:
                 born[r] = c
-    out = []
-    for c in range(n):
-        alive = sum(values[r].nbytes for r, made in born.items()
-                    if made > c and (r in kept_to_end or last_region.get(r, made) <= c))
-        out.append(alive + liveness(graph).output_bytes)
-    return out
+    outputs = liveness(graph).output_bytes
+    return [outputs + sum(values[r].nbytes for r, made in born.items()
+                          if made > c and (r in kept_to_end or last_region.get(r, made) <= c))
+            for c in range(n)]
 
 
 def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
@@ -232,12 +234,7 @@ class _BlockModel:
         nb = [size(x) for x in dag.nbytes]
         storages = range(len(dag.storages))
         # Last stage at which storage r may be read: the stage of the first block reading it.
-        first_reader = {r: n for r in storages}
-        for c in range(n):
-            for r in dag.forward_reads[c] | set().union(*dag.option_backward_reads[c],
-                                                          *dag.option_forward_reads[c]):
-                first_reader[r] = min(first_reader[r], c)
-        last_stage = {r: n - 1 - first_reader[r] for r in storages}
+        last_stage = {r: n - 1 - dag.first_reader[r] for r in storages}
 
         self.S = {(c, o): binary(f"S_{c}_{o}") for c in range(n) for o in range(nopt[c])}
         self.s = {r: binary(f"s_{r}") for r in storages}
@@ -337,7 +334,6 @@ class _BlockModel:
             prob += _affine(terms) <= cap - size(dag.forward_live[c] +
                                                                  dag.forward_base[c])
         prob += _affine([(x, 1e6 * sec) for x, sec in times])
-        self.num_variables = len(prob.variables())
 
     def actions(self) -> list[tuple]:
         """The solution as backward-phase actions for :func:`assemble`."""

@@ -34,10 +34,10 @@ from ..segments import REGION_RULES, Chain, chain_structure
 from ..subgraph import Subgraph, extract_subgraph
 from .base import Problem, SolveResult, finish
 from .chain import ChainTable, Stage, StageOption, solve_chain
-from .ilp import ILPSolver, _Model
 from .dag import block_dag, solve_block_dag
-from .polish import polish
+from .ilp import ILPSolver, _Model
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
+from .polish import polish
 
 __all__ = ["HierarchicalSolver", "DPSolver"]
 
@@ -56,12 +56,12 @@ _MID_BLOCK_VARIABLES = 3_000  # composed blocks whose ILP is this small also get
 # as unbounded on a GPT layer), and a node bound does not depend on machine load.
 _MID_BLOCK_GRID = {"save_grid": (0.15, 0.3, 0.5, 0.75), "peak_grid": (), "peak_range_grid": (0.4,),
                    "max_nodes": 50}
-_HEADROOM = 1.6
+_HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
 _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * options) binaries
 _DAG_SHARE = 0.25  # of the time limit, for the block ILP
 # Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
 # graph gets the same schedule on a busy machine; ~10-20 ms each on a 3,000-op graph.
-_POLISH_TRIALS = 300  # the DP table covers capacities up to this multiple of the budget
+_POLISH_TRIALS = 300
 
 
 class HierarchicalSolver:
@@ -99,7 +99,6 @@ class HierarchicalSolver:
             found += [self._hierarchical(problem, False, deadline, rule) for rule in REGION_RULES]
             remaining = deadline - time.perf_counter()
             if exact_top and remaining > 2.0:
-                # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
                 found.append(ILPSolver().solve(Problem(
                     graph, problem.budget_bytes,
                     time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit),
@@ -129,9 +128,10 @@ class HierarchicalSolver:
                             slots=_SLOTS)
         best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
         candidates = {"chain DP": best} if best is not None else {}
-        dag = block_dag(graph, chain, subs, options)
-        if (use_ilp and problem.options.get("block_ilp", True) and not dag.is_chain
-                and len(subs) <= _DAG_MAX_BLOCKS and time.perf_counter() < deadline):
+        dag = (block_dag(graph, chain, subs, options)
+               if use_ilp and problem.options.get("block_ilp", True) and len(subs) <= _DAG_MAX_BLOCKS
+               else None)
+        if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
             # Storages cross several blocks: the block ILP models each of them once.
             found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
                                     deadline=min(deadline, time.perf_counter() + _DAG_SHARE *
