@@ -33,14 +33,14 @@ _VERSION = 1
 
 def graph_key(graph: RematGraph, budget: Budget, solver: str, options: dict | None = None) -> str:
     """A stable hash of ``graph``'s structure and the solve settings (see NOTE [ Plan cache ])."""
+    from .sizes import structure_key
+
     h = hashlib.sha256()
     h.update(f"v{_VERSION}|{budget.fraction}|{budget.bytes}|{solver}|{sorted((options or {}).items())}".encode())
-    for op in graph.ops:
-        h.update(f"{op.phase.value}|{op.signature}|{op.inputs}|{op.outputs}|{op.recomputable}|"
-                 f"{op.module}".encode())
-    for v in graph.values:
-        h.update(f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}".encode())
-    h.update(f"{graph.forward_outputs}|{graph.backward_outputs}|{graph.user_outputs}".encode())
+    # The structure with size symbols renamed canonically (captures name them independently),
+    # and the bytes at the captured sizes.
+    h.update(structure_key(graph)[0].encode())
+    h.update(str([v.nbytes for v in graph.values]).encode())
     return h.hexdigest()[:32]
 
 

@@ -24,6 +24,7 @@ from .errors import internal_assert
 from .graph import ValueKind
 from .lowering import Lowered
 from .schedule import Schedule
+from .symbolic import is_symbolic_scalar
 
 __all__ = ["generate_modules", "backward_reads"]
 
@@ -66,7 +67,8 @@ def _interface(joint: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int
 
     Forward: ``(primals...) -> (forward outputs..., saved...)``; backward:
     ``(saved..., tangents...) -> (gradients...)``. Saved tensors that skip autograd's version
-    check go last (PyTorch's convention, so the runtime slices them correctly).
+    check go after the others, and saved sizes after all tensors in forward's outputs but first
+    in backward's inputs (PyTorch's convention, so the runtime slices them correctly).
     """
     from torch._functorch._aot_autograd.descriptors import (
         SavedForBackwardsAOTOutput,
@@ -76,16 +78,21 @@ def _interface(joint: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int
 
     fwd_out, bwd_out, fwd_descs, bwd_descs = _extract_fwd_bwd_outputs(
         joint, num_fwd_outputs=num_fwd_outputs)
-    checked = [n for n in saved if not n.meta.get("saved_tensor_with_no_vc_check", False)]
-    unchecked = [n for n in saved if n.meta.get("saved_tensor_with_no_vc_check", False)]
-    saved = checked + unchecked
-    saved_descs = [SavedForBackwardsAOTOutput(i) if i < len(checked)
-                   else SavedForBackwardsNoVcCheckAOTOutput(i) for i in range(len(saved))]
+    sizes = [n for n in saved if is_symbolic_scalar(n.meta.get("val"))]
+    tensors = [n for n in saved if n not in set(sizes)]
+    checked = [n for n in tensors if not n.meta.get("saved_tensor_with_no_vc_check", False)]
+    unchecked = [n for n in tensors if n.meta.get("saved_tensor_with_no_vc_check", False)]
+    tensors = checked + unchecked
+    saved_descs = [SavedForBackwardsAOTOutput(i) if i < len(checked) or i >= len(tensors)
+                   else SavedForBackwardsNoVcCheckAOTOutput(i)
+                   for i in range(len(tensors) + len(sizes))]
     placeholders = joint.graph.find_nodes(op="placeholder")
     primals = [n for n in placeholders if not n.name.startswith("tangents")]
     tangents = [n for n in placeholders if n.name.startswith("tangents")]
-    return (primals, list(fwd_out) + saved, list(fwd_descs) + saved_descs,
-            saved + tangents, list(bwd_out), list(bwd_descs))
+    # Saved sizes (SymInts) come after the saved tensors in forward's outputs and before them
+    # in backward's inputs (see NOTE [ Dynamic shapes ]).
+    return (primals, list(fwd_out) + tensors + sizes, list(fwd_descs) + saved_descs,
+            sizes + tensors + tangents, list(bwd_out), list(bwd_descs))
 
 
 def _emit(inputs: list[fx.Node], ops: tuple[int, ...], outputs: list, descs: list,
@@ -99,6 +106,9 @@ def _emit(inputs: list[fx.Node], ops: tuple[int, ...], outputs: list, descs: lis
     for node in lowered.value_nodes:
         if node.op == "get_attr":
             env[node] = graph.node_copy(node)
+    for node in lowered.size_nodes:  # backward receives the ones it reads as inputs
+        if node not in env and all(a in env for a in node.all_input_nodes):
+            env[node] = graph.node_copy(node, lambda n: env[n])
     for i in ops:
         _copy_op(graph, lowered, i, env)
     out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))

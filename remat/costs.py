@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .lowering import Lowered
+from .symbolic import hint
 
 __all__ = ["measure_op_times", "model_op_times"]
 
@@ -34,8 +35,11 @@ _OP_OVERHEAD_S = 5.0e-6
 
 def _materialize(val: object) -> object:
     if isinstance(val, torch.Tensor):
-        return torch.ones(val.shape, dtype=val.dtype, device=val.device) if val.is_floating_point() \
-            else torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+        shape = [hint(d) for d in val.shape]
+        return torch.ones(shape, dtype=val.dtype, device=val.device) if val.is_floating_point() \
+            else torch.zeros(shape, dtype=val.dtype, device=val.device)
+    if isinstance(val, torch.SymInt):
+        return hint(val)
     return val
 
 
@@ -183,13 +187,13 @@ def model_op_times(lowered: Lowered) -> list[float]:
             try:
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
                 out = node.meta.get("val")
-                flops = formula(*args, **kwargs, out_val=out)
+                flops = hint(formula(*args, **kwargs, out_val=out))
             except Exception:  # noqa: BLE001 - a formula that cannot read fake args: bytes only
                 log.debug("no FLOP count for %s", node.name)
         nbytes = 0
         for n in [*node.all_input_nodes, node]:
             val = n.meta.get("val")
             vals = val if isinstance(val, (tuple, list)) else [val]
-            nbytes += sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+            nbytes += sum(hint(v.numel()) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
         times.append(max(flops / _FLOPS_PER_S, nbytes / _BYTES_PER_S) + _OP_OVERHEAD_S)
     return times

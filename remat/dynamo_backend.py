@@ -25,11 +25,13 @@ from .codegen import boxed, generate_modules
 from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
-from .passes import split_dropout
+from .passes import bind_sizes, split_dropout
 from .plan import Plan
 from .planner import plan_graph
 from .schedule import Schedule, simulate
+from .sizes import ShapePlans, SizedGraph, structure_key
 from .solvers import get_solver
+from .symbolic import hint, input_dims, symbol_values
 
 __all__ = ["RematBackend", "backend", "DEFAULT_SOLVER"]
 
@@ -55,8 +57,10 @@ class RematBackend:
         cache: A :class:`remat.PlanCache` to reuse schedules solved before.
 
     Attributes:
-        plans: The :class:`Plan` of every graph compiled so far, in order.
+        plans: The :class:`Plan` of every schedule solved so far, in order.
         graphs: The :class:`RematGraph` each plan was solved on (for inspection and debugging).
+        shapes: The :class:`~remat.sizes.ShapePlans`: every schedule, and which one each batch
+            size runs (NOTE [ Shape-generic plans ]).
     """
 
     def __init__(self, budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
@@ -75,16 +79,21 @@ class RematBackend:
             raise TypeError(f"cache={cache!r}: expected a remat.PlanCache or None; pass "
                             "cache=remat.PlanCache('path/to/dir')")
         self.cache = cache
-        self.plans: list[Plan] = []
-        self.graphs: list[RematGraph] = []  # the solved graphs, parallel to `plans`
+        self.shapes = ShapePlans(self.budget, solver=solver, time_limit=self.time_limit,
+                                 options=self.options)
+        self.current_leaves: list[Any] = []  # the flattened inputs of the call being compiled
+        self.last_entry: int | None = None  # the schedule the latest compiled graph runs
         self.lenient = False  # after pin(): over-budget new shapes warn instead of raising
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 request: int | None = None) -> Callable[..., Any]:
         from torch._dynamo.backends.common import aot_autograd
 
         real_inputs = list(example_inputs)
-        partition = functools.partial(self._partition, gm=gm, real_inputs=real_inputs)
+        dims = input_dims(gm.graph, real_inputs, self.current_leaves)
+        partition = functools.partial(self._partition, gm=gm, real_inputs=real_inputs,
+                                      request=request, dims=dims)
         return aot_autograd(
             fw_compiler=_compile_graph,
             bw_compiler=_compile_graph,
@@ -92,13 +101,41 @@ class RematBackend:
             partition_fn=partition,
         )(gm, example_inputs)
 
+    @property
+    def plans(self) -> list[Plan]:
+        """Every plan solved (or loaded from the cache) so far, in order."""
+        return self.shapes.plans
+
+    @property
+    def graphs(self) -> list[RematGraph]:
+        """The graph each plan was solved on (for inspection and debugging)."""
+        return self.shapes.graphs
+
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
-                   gm: fx.GraphModule, real_inputs: list[Any], **_: Any
+                   gm: fx.GraphModule, real_inputs: list[Any], request: int | None = None,
+                   dims: dict[str, tuple[int, int]] | None = None, **_: Any
                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         split_dropout(joint)
+        bind_sizes(joint)
         lowered = lower_joint_graph(joint, num_fwd_outputs=num_fwd_outputs)
-        key = graph_key(lowered.graph, self.budget, self.solver, self.options)
-        hit = self._cached(key, lowered.graph)
+        key, symbols = structure_key(lowered.graph, lowered.size_exprs)
+        values = symbol_values(joint.graph)
+        sizes = tuple(values.get(s, 0) for s in symbols)
+        family = self.shapes.families.get(key)
+        if family is None:
+            entry = self._solve_family(lowered, joint, gm, real_inputs, key, symbols, sizes,
+                                       [(dims or {}).get(s) for s in symbols])
+        elif request is not None and self.shapes.entries[request].family == key:
+            entry = request  # NOTE [ Shape-generic plans ]: the slot's own schedule
+        else:
+            entry = self.shapes.choose(key, sizes).entry
+        self.last_entry = entry
+        return generate_modules(lowered, self.shapes.entries[entry].schedule, joint)
+
+    def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims) -> int:
+        """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
+        cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options)
+        hit = self._cached(cache_key, lowered.graph)
         if hit is not None:
             schedule, plan = hit
             graph = lowered.graph
@@ -114,17 +151,13 @@ class RematBackend:
                                         time_limit=self.time_limit, options=self.options,
                                         over_budget="lowest" if self.lenient else "raise")
             if self.cache is not None:
-                self.cache.put(key, schedule, plan)
-        self.plans.append(plan)
-        self.graphs.append(graph)
-        return generate_modules(lowered, schedule, joint)
+                self.cache.put(cache_key, schedule, plan)
+        sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
+        return self.shapes.add_family(key, sized, schedule, plan, dims)
 
     def pin(self, plan: Plan) -> None:
-        """Fix a fraction budget to ``plan``'s bytes for the graphs compiled from now on, and
-        let a graph that cannot fit run with its lowest-peak schedule (with a warning)."""
-        if self.budget.fraction is not None:
-            self.budget = Budget(bytes=plan.budget_bytes,
-                                 text=f"{self.budget} of the example = {plan.budget_bytes} bytes")
+        """After the example call: a graph that cannot fit the budget later runs with its
+        lowest-peak schedule (with a warning) instead of raising in the middle of training."""
         self.lenient = True
 
     def _cached(self, key: str, graph: RematGraph) -> tuple[Schedule, Plan] | None:
@@ -142,6 +175,7 @@ class RematBackend:
             return None
         return schedule, dataclasses.replace(plan, cache_hit=True, solve_time_s=0.0)
 
+
     @staticmethod
     def _primals(gm: fx.GraphModule, real_inputs: list[Any], joint: fx.GraphModule
                  ) -> list[torch.Tensor] | None:
@@ -154,10 +188,14 @@ class RematBackend:
             log.debug("cannot align %d real inputs with %d primals; modelling op times",
                       len(candidates), len(placeholders))
             return None
-        for node, real in zip(placeholders, candidates):
+        for k, (node, real) in enumerate(zip(placeholders, candidates)):
             fake = node.meta.get("val")
+            if isinstance(fake, torch.SymInt) and isinstance(real, (int, torch.SymInt)):
+                candidates[k] = hint(real)  # a size input (NOTE [ Dynamic shapes ])
+                continue
             if not isinstance(real, torch.Tensor) or not isinstance(fake, torch.Tensor) or \
-                    tuple(real.shape) != tuple(fake.shape) or real.dtype != fake.dtype:
+                    tuple(real.shape) != tuple(hint(d) for d in fake.shape) or \
+                    real.dtype != fake.dtype:
                 log.debug("input %s does not match its primal; modelling op times", node.name)
                 return None
         return candidates

@@ -47,6 +47,8 @@ class Value:
         producer: Index of the op producing it, ``-1`` for graph inputs and tangents.
         nbytes: Bytes of the storage this value allocates (0 for aliases and graph inputs).
         alias_of: Index of the input value whose storage this value shares, or ``None``.
+        scalar: A size or other scalar (a ``SymInt`` of a dynamic-shape graph), not a tensor:
+            it costs no memory and is always kept rather than recomputed.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Value:
     producer: int
     nbytes: int
     alias_of: int | None = None
+    scalar: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from .errors import CaptureError
 from .graph import Op, Phase, RematGraph, Value, ValueKind
+from .symbolic import hint, is_symbolic_scalar, size_expr
 
 __all__ = ["Lowered", "lower_joint_graph", "module_path"]
 
@@ -27,12 +28,19 @@ class Lowered:
         op_nodes: fx node of each op.
         value_nodes: fx node of each value (the op node itself, a ``getitem`` or a placeholder).
         num_fwd_outputs: How many entries of the joint output belong to forward.
+        size_exprs: Bytes of each value's storage as a size expression (``int`` when static;
+            see NOTE [ Dynamic shapes ]); ``graph.values[i].nbytes`` is its value on the
+            captured example.
+        size_nodes: Size arithmetic on the size inputs (NOTE [ Sizes come from the inputs ]),
+            in graph order: inputs to the solvers, emitted at the top of forward.
     """
 
     graph: RematGraph
     op_nodes: tuple[fx.Node, ...]
     value_nodes: tuple[fx.Node, ...]
     num_fwd_outputs: int
+    size_exprs: tuple[object, ...] = ()
+    size_nodes: tuple[fx.Node, ...] = ()
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
@@ -58,11 +66,14 @@ def _is_tensor(val: object) -> bool:
     return isinstance(val, torch.Tensor)
 
 
-def _storage_nbytes(val: torch.Tensor) -> int:
+def _storage_nbytes(val: torch.Tensor) -> tuple[int, object]:
+    """Bytes of ``val``'s storage on the captured example, and as a size expression
+    (see NOTE [ Dynamic shapes ])."""
     try:
-        return int(val.untyped_storage().nbytes())
+        nbytes = val.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001 - some fake/subclass tensors have no storage
-        return int(val.numel() * val.element_size())
+        nbytes = val.numel() * val.element_size()
+    return hint(nbytes), size_expr(nbytes)
 
 
 def _alias_sources(node: fx.Node) -> tuple[int | None, bool]:
@@ -96,6 +107,8 @@ def _is_recomputable(node: fx.Node, mutated: set[fx.Node]) -> bool:
     and inverse std) depend only on the batch, and its running-statistics outputs are those of
     the first forward (the recomputed ones are discarded), so statistics update exactly once.
     """
+    if is_symbolic_scalar(node.meta.get("val")):
+        return False  # a size (SymInt) or other scalar: saving it costs nothing
     if any(a in mutated for a in node.all_input_nodes):
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
         if not (node.target is _BATCH_NORM and training is True):
@@ -169,10 +182,14 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
     value_of: dict[fx.Node, int] = {}
     values: list[Value] = []
     value_nodes: list[fx.Node] = []
+    exprs: list[object] = []
 
-    def add_value(node: fx.Node, kind: ValueKind, producer: int, nbytes: int, alias: int | None) -> int:
+    def add_value(node: fx.Node, kind: ValueKind, producer: int, nbytes: tuple[int, object],
+                  alias: int | None) -> int:
         value_of[node] = len(values)
-        values.append(Value(node.name, kind, producer, nbytes, alias))
+        scalar = is_symbolic_scalar(node.meta.get("val"))
+        values.append(Value(node.name, kind, producer, nbytes[0], alias, scalar))
+        exprs.append(nbytes[1])
         value_nodes.append(node)
         return value_of[node]
 
@@ -183,13 +200,14 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
                        default=-1)
     backward_nodes: set[fx.Node] = set()
     op_candidates: list[fx.Node] = []
+    size_nodes: list[fx.Node] = []
     for position, node in enumerate(nodes):
         if node.op == "placeholder":
             if node.name.startswith("tangents"):
                 add_value(node, ValueKind.TANGENT, -1, _storage_nbytes(node.meta["val"]), None)
                 backward_nodes.add(node)
             elif node.name.startswith("primals"):
-                add_value(node, ValueKind.INPUT, -1, 0, None)
+                add_value(node, ValueKind.INPUT, -1, (0, 0), None)
             else:
                 raise CaptureError(
                     f"the joint graph has an input {node.name!r} remat cannot schedule "
@@ -198,7 +216,14 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
                     reason="unsupported_op",
                 )
         elif node.op == "get_attr":
-            add_value(node, ValueKind.INPUT, -1, 0, None)
+            add_value(node, ValueKind.INPUT, -1, (0, 0), None)
+        elif node.op == "call_function" and is_symbolic_scalar(node.meta.get("val")) and all(
+                value_of.get(a) is not None and values[value_of[a]].kind is ValueKind.INPUT
+                for a in node.all_input_nodes):
+            # Size arithmetic on the size inputs (NOTE [ Sizes come from the inputs ]): an input
+            # like them, emitted at the top of forward (remat.codegen).
+            add_value(node, ValueKind.INPUT, -1, (0, 0), None)
+            size_nodes.append(node)
         elif node.op == "call_function":
             if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and not _is_tensor(
                 node.args[0].meta.get("val")
@@ -235,14 +260,14 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
             out_val = out.meta.get("val")
             aliased = alias_input is not None and (list_alias or out is node)
             if aliased and alias_input in value_of:
-                add_value(out, kind, len(ops), 0, value_of[alias_input])
+                add_value(out, kind, len(ops), (0, 0), value_of[alias_input])
             else:
-                nbytes = _storage_nbytes(out_val) if _is_tensor(out_val) else 0
+                nbytes = _storage_nbytes(out_val) if _is_tensor(out_val) else (0, 0)
                 add_value(out, kind, len(ops), nbytes, None)
         transient = 0  # outputs nobody reads are allocated and freed inside the op
         if isinstance(val, (tuple, list)):
             used = {u.args[1] for u in produced}
-            transient = sum(_storage_nbytes(t) for k, t in enumerate(val)
+            transient = sum(_storage_nbytes(t)[0] for k, t in enumerate(val)
                             if k not in used and _is_tensor(t))
         pending.append((len(ops), node, produced, phase, transient))
         ops.append(None)  # type: ignore[arg-type]  # filled below once inputs are known
@@ -291,4 +316,5 @@ def lower_joint_graph(joint: fx.GraphModule, *, num_fwd_outputs: int) -> Lowered
         backward_outputs=tuple(dict.fromkeys(value_of[o] for o in bwd_out)),
         user_outputs=tuple(dict.fromkeys(user_out)),
     )
-    return Lowered(graph, tuple(op_nodes), tuple(value_nodes), num_fwd_outputs)
+    return Lowered(graph, tuple(op_nodes), tuple(value_nodes), num_fwd_outputs, tuple(exprs),
+                   tuple(size_nodes))

@@ -17,8 +17,10 @@ registered) to be compiled and to serve calls that need no backward (``no_grad``
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -31,6 +33,8 @@ from .errors import CaptureError, RematError
 from .plan import Plan
 
 __all__ = ["RematModule", "rematerialize"]
+
+log = logging.getLogger(__name__)
 
 
 def _logging_methods() -> set:
@@ -94,23 +98,67 @@ def _capture_error(exc: BaseException) -> RematError:
                         "runs eagerly, please report it.", reason="other")
 
 
+def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return module(*args, **kwargs)
+
+
+def _own_step(label: str):
+    """A function like :func:`_step` with a code object of its own.
+
+    NOTE [ Owning the compiled frames ]
+    Dynamo keeps compiled graphs on the code object it compiled and counts recompilations there:
+    compiling ``model.forward`` directly shares one cache (and one ``recompile_limit``) between
+    every instance of the class, every rematerialized copy and every input shape, so the ninth
+    shape or the ninth ``rematerialize`` of a model class failed. Each schedule of a
+    :class:`RematModule` runs through its own copy of this function: its dynamo cache holds
+    only that schedule's graphs, recompilations are counted there (``isolate_recompiles``),
+    and it is freed with the module.
+    """
+    import types
+
+    code = _step.__code__.replace(co_name=f"_remat_step_{label}")
+    return types.FunctionType(code, _step.__globals__, code.co_name)
+
+
+# A recompilation happens per dynamo specialisation of one schedule (a size of 1, a new mode),
+# never per input shape (NOTE [ Dynamic shapes ]); this only bounds a pathological model.
+_RECOMPILE_LIMIT = 64
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
+    """The call's leaves and a key of what makes a call different for remat (shapes, dtypes,
+    devices of its tensors, and the structure of its arguments)."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    key = tuple((tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+                if isinstance(x, torch.Tensor) else type(x) for x in leaves)
+    return leaves, (str(spec), key)
+
+
+def _forget_backends(slots: dict) -> None:
+    from torch._dynamo import eval_frame
+
+    ours = {id(slot_backend) for _, slot_backend in slots.values()}
+    for key, value in list(eval_frame.cached_backends.items()):
+        if id(getattr(value, "compiler_fn", value)) in ours:
+            eval_frame.cached_backends.pop(key, None)
+    slots.clear()
+
+
 class RematModule(nn.Module):
     """An ``nn.Module`` equivalent to the one it wraps, with a rematerialized backward.
 
-    Calls with gradients enabled run the compiled schedule (recompiled and re-solved for new
-    input shapes or train/eval mode); calls without gradients run the original module.
-    See NOTE [ Later input shapes ]
-A new input shape (the last, short batch) or mode is captured and solved again. A fraction budget
-is resolved once, on the example batch: later shapes get the same budget in bytes (what a user
-means is a memory limit for the run; 50% of a short batch's own, gradient-heavy baseline can be
-infeasible). If a later shape still cannot fit, it runs with the lowest-peak schedule found and a
-warning instead of failing in the middle of training.
-
-NOTE [ Sharing the original's state ].
+    Calls with gradients enabled run a compiled schedule; calls without gradients run the
+    original module. The graph is captured once with dynamic dimensions, and each batch runs the
+    fastest schedule that fits the budget at its sizes: see NOTE [ Shape-generic plans ] and
+    NOTE [ Later input shapes ] in :mod:`remat.module`. NOTE [ Sharing the original's state ].
 
     Attributes:
         plan: The :class:`Plan` solved for the example inputs.
-        plans: Every plan solved so far (one per input shape / mode seen).
+        plans: Every plan solved so far (the first, then one per size bucket that needed its own).
+        shapes: The :class:`~remat.sizes.ShapePlans`; ``shapes.summary()`` lists every batch
+            size seen, the schedule it ran and its predicted peak.
     """
 
     def __init__(self, module: nn.Module, backend: RematBackend) -> None:
@@ -122,8 +170,11 @@ NOTE [ Sharing the original's state ].
         self.training = module.training
         object.__setattr__(self, "_remat_original", module)
         object.__setattr__(self, "_remat_backend", backend)
-        compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
-        object.__setattr__(self, "_remat_compiled", compiled)
+        object.__setattr__(self, "_remat_slots", {})  # schedule entry (or None) -> compiled step
+        object.__setattr__(self, "_remat_decisions", {})  # call key -> schedule entry
+        # NOTE [ Owning the compiled frames ]: dynamo also remembers every backend it was given
+        # (for its reset); forget ours with the module so its graphs and plans are freed.
+        weakref.finalize(self, _forget_backends, self._remat_slots)
 
     @property
     def original(self) -> nn.Module:
@@ -138,6 +189,11 @@ NOTE [ Sharing the original's state ].
     def graphs(self) -> list:
         """The :class:`~remat.graph.RematGraph` of each plan (for inspection)."""
         return list(self._remat_backend.graphs)
+
+    @property
+    def shapes(self):
+        """Every schedule and which one each batch size runs (:class:`remat.sizes.ShapePlans`)."""
+        return self._remat_backend.shapes
 
     @property
     def plan(self) -> Plan:
@@ -162,6 +218,33 @@ NOTE [ Sharing the original's state ].
                 raise
             return getattr(original, name)
 
+    def _slot(self, entry: int | None):
+        """The compiled step that runs schedule ``entry`` (``None``: whichever the backend
+        picks when it compiles; see NOTE [ Owning the compiled frames ])."""
+        slots = self._remat_slots
+        if entry not in slots:
+            backend = self._remat_backend
+            slot_backend = functools.partial(backend, request=entry)
+            slot_backend.__name__ = "remat_backend"  # type: ignore[attr-defined]
+            step = _own_step("auto" if entry is None else str(entry))
+            slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True, dynamic=True,
+                                          recompile_limit=_RECOMPILE_LIMIT,
+                                          isolate_recompiles=True), slot_backend)
+        return slots[entry][0]
+
+    def _decide(self, leaves: list[Any]) -> int | None:
+        """Which schedule a call with these inputs runs (NOTE [ Shape-generic plans ])."""
+        backend = self._remat_backend
+        shapes = backend.shapes
+        first = next(iter(shapes.families.values()), None)
+        if first is None:
+            return None
+        sizes = first.sizes_of(leaves)
+        if sizes is None:
+            log.debug("remat: cannot read this call's sizes from its inputs; compiling it anew")
+            return None
+        return shapes.choose(first.key, sizes).entry
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Frameworks set ``.training`` on every registered submodule directly (Lightning after
         # validation); the original is not registered, so copy the flag here.
@@ -169,9 +252,19 @@ NOTE [ Sharing the original's state ].
             self._remat_original.training = self.training
         if not torch.is_grad_enabled():
             return self._remat_original(*args, **kwargs)
+        leaves, key = _flatten(args, kwargs)
+        key = (self.training, key)
+        decisions = self._remat_decisions
+        backend = self._remat_backend
         try:
-            with _capture_config():  # see NOTE [ Log calls inside the captured forward ]
-                return self._remat_compiled(*args, **kwargs)
+            entry = decisions[key] if key in decisions else self._decide(leaves)
+            step = self._slot(entry)
+            backend.current_leaves = leaves
+            try:
+                with _capture_config():  # see NOTE [ Log calls inside the captured forward ]
+                    out = step(self._remat_original, args, kwargs)
+            finally:
+                backend.current_leaves = []
         except RematError:
             raise
         except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
@@ -179,6 +272,15 @@ NOTE [ Sharing the original's state ].
             if error is getattr(exc, "inner_exception", None):
                 raise error.with_traceback(None) from None  # our own error, raised in the backend
             raise error from exc
+        if entry is None and backend.last_entry is not None:
+            # The step compiled for "whichever fits" now runs a known schedule: file it there.
+            entry = backend.last_entry
+            slots = self._remat_slots
+            compiled, slot_backend = slots.pop(None)
+            slot_backend.keywords["request"] = entry
+            slots.setdefault(entry, (compiled, slot_backend))
+        decisions.setdefault(key, entry)
+        return out
 
     def capture(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile and solve for these inputs without changing any state (buffers, RNG)."""

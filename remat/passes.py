@@ -18,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["split_dropout"]
+__all__ = ["bind_sizes", "split_dropout"]
 
 aten = torch.ops.aten
 
@@ -82,3 +82,93 @@ def split_dropout(joint: fx.GraphModule) -> int:
         graph.lint()
         joint.recompile()
     return rewritten
+
+
+def _size_node(graph: fx.Graph, expr, bound: dict, made: dict, anchor: fx.Node):
+    """An fx node (or int) computing ``expr`` from the size placeholders, or ``None``."""
+    import sympy
+
+    if expr in made:
+        return made[expr]
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        return bound.get(expr)
+    if isinstance(expr, (sympy.Mul, sympy.Add)):
+        parts = [_size_node(graph, a, bound, made, anchor) for a in expr.args]
+    elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 0:
+        parts = [_size_node(graph, expr.base, bound, made, anchor)] * int(expr.exp)
+        expr = sympy.Mul(*([expr.base] * int(expr.exp)), evaluate=False)
+    else:
+        return None
+    if any(p is None for p in parts):
+        return None
+    combine = operator.mul if isinstance(expr, (sympy.Mul, sympy.Pow)) else operator.add
+    node = parts[0]
+    for part in parts[1:]:
+        with graph.inserting_after(anchor):
+            new = graph.call_function(combine, (node, part))
+        new.meta["val"] = combine(node.meta["val"] if isinstance(node, fx.Node) else node,
+                                  part.meta["val"] if isinstance(part, fx.Node) else part)
+        anchor = node = new
+    made[expr] = node
+    return node
+
+
+def bind_sizes(joint: fx.GraphModule) -> int:
+    """Compute every size of a dynamic-shape graph from its size inputs.
+
+    NOTE [ Sizes come from the inputs ]
+    A dynamic-shape joint graph reads sizes off tensors (``sym_size(view_3, 0)``) and passes
+    them to the ops that need them (``view(x, [sym_size_int, 64])``). To a scheduler those are
+    data edges from wherever the tensor was made, across blocks and phases, although a size is
+    a function of the graph's size inputs alone. This rewrites each such size as arithmetic on
+    the size placeholders (dynamo passes every symbol as one), so the only remaining edges are
+    from the inputs, which every op may read at any time.
+
+    Returns:
+        How many size reads were rewritten.
+    """
+    graph = joint.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    bound = {}
+    for node in placeholders:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            bound.setdefault(val.node.expr, node)
+    if not bound:
+        return 0
+    made: dict = {}
+    anchor = placeholders[-1]
+    rewritten = 0
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or not node.users:
+            continue
+        if all(isinstance(a, fx.Node) and a.op == "placeholder" or a in made.values()
+               for a in node.all_input_nodes):
+            continue  # already arithmetic on size inputs
+        expr = val.node.expr
+        if expr.is_number or not expr.free_symbols <= set(bound):
+            continue
+        before = len(graph.nodes)
+        source = _size_node(graph, expr, bound, made, anchor)
+        if len(graph.nodes) != before:
+            anchor = max((n for n in made.values() if isinstance(n, fx.Node)),
+                         key=lambda n: _position(graph, n))
+        if source is None:
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        joint.recompile()
+    return rewritten
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for k, n in enumerate(graph.nodes):
+        if n is node:
+            return k
+    return -1

@@ -445,11 +445,16 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
     available = set(schedule.saved) | set(graph.always_available) | set(graph.user_outputs)
     available |= {v for v, value in enumerate(values) if value.kind is ValueKind.TANGENT}
     order: list[int] = []
+    sizes: set[int] = set()  # forward-made sizes (SymInts) a remade view needs: kept, free
 
     def materialize(v: int) -> None:
         if v in available:
             return
         p = values[v].producer
+        if values[v].scalar and 0 <= p < nf:
+            sizes.add(v)
+            available.add(v)
+            return
         if not 0 <= p < nf or not _is_view_op(graph, p):
             raise ScheduleError(
                 f"backward reads {values[v].name!r}, which is neither available nor a view of "
@@ -466,7 +471,12 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
             materialize(u)
         order.append(i)
         if i < nf:
+            # Forward-made views of a recomputed value go stale; a view backward made earlier
+            # keeps the instance it was made from (the simulator and codegen bind it there).
             for v in op.outputs:
-                available -= derived.get(v, set())
+                available -= {d for d in derived.get(v, ()) if values[d].producer < nf}
         available.update(op.outputs)
+    if sizes:
+        saved = frozenset(schedule.saved | sizes)
+        return Schedule(forward_ops_needed(graph, saved), saved, tuple(order))
     return Schedule(schedule.forward, schedule.saved, tuple(order))

@@ -177,9 +177,11 @@ def test_loss_curve_is_bitwise_equal_and_memory_is_halved(tmp_path):
     first, *others = callback.results["net"].plans
     assert first.budget_bytes == int(0.5 * first.baseline_bytes)
     assert first.predicted_peak_bytes <= first.budget_bytes
-    # The short last batch was solved under the same byte budget, and fits it.
-    assert len(others) == 1 and others[0].budget_bytes == first.budget_bytes
-    assert others[0].predicted_peak_bytes <= first.budget_bytes
+    # The short last batch is the same graph at a smaller size: it reuses a schedule re-priced
+    # there (NOTE [ Shape-generic plans ]) instead of being captured and solved again.
+    assert others == []
+    shapes = start.net.shapes
+    assert len(shapes.choices) == 2 and all(c.fits for c in shapes.choices.values())
     # Measured on CPU with the profiler: the first step with remat vs the unmodified warmup.
     assert callback.step_peak_bytes < MEASURED_RATIO_MAX * callback.eager_peak_bytes
 

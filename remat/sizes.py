@@ -1,0 +1,355 @@
+"""Plans that bind to sizes: one captured graph, a few schedules, the right one for each batch.
+
+NOTE [ Shape-generic plans ]
+A schedule is structural: which values are kept, which ops are recomputed, in what order. The
+joint graph of a training step captured with dynamic dimensions (NOTE [ Dynamic shapes ]) has the
+same structure for every batch size and sequence length; only the byte sizes, which are
+expressions of a few size symbols, and the op times change. So a :class:`ShapePlans` keeps, per
+graph *structure* (a :class:`Family`), the graph profiled once and every schedule solved for it,
+and for a batch of new sizes:
+
+1. re-prices every schedule at those sizes with the simulator (memory exact from the size
+   expressions; each op's time scaled from the profiled one by the bytes it touches), plus the
+   unmodified step, and runs the fastest that fits the byte budget;
+2. solves again only when none fits but some schedule could (the sizes' lower bound is under the
+   budget), and then for the sizes' *bucket* (every size rounded up to a power of two), so that
+   one solve serves every smaller batch of the bucket and a run sees O(log(max/min)) solves;
+3. when no schedule can fit (the lower bound itself is over the budget), runs the lowest-peak
+   schedule it has and says so once, with the numbers.
+
+Only the graph a dynamo specialisation changes (a size of 1 is traced as a constant) forms a new
+family, which is profiled and solved on its own.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .budget import Budget, format_bytes
+from .errors import InfeasibleBudgetError
+from .graph import RematGraph
+from .liveness import peak_lower_bound
+from .plan import Plan
+from .schedule import Schedule, Simulation, on_demand_schedule, save_all_schedule, simulate
+from .symbolic import free_symbol_names
+
+__all__ = ["Family", "ShapePlans", "SizedGraph", "structure_key"]
+
+log = logging.getLogger(__name__)
+
+_SYMBOL = re.compile(r"\bs\d+\b")
+
+
+def structure_key(graph: RematGraph, size_exprs: Sequence[object] = ()) -> tuple[str, tuple[str, ...]]:
+    """What a schedule's validity depends on, and the graph's size symbols in a canonical order.
+
+    Size symbols are renamed by first appearance (two captures of one model name their symbols
+    independently), so two graphs with one key list corresponding symbols at the same places.
+    """
+    import hashlib
+
+    names: dict[str, str] = {}
+
+    def canon(text: str) -> str:
+        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"S{len(names)}"), text)
+
+    h = hashlib.sha256()
+    for op in graph.ops:
+        h.update(f"{op.phase.value}|{canon(op.signature)}|{op.inputs}|{op.outputs}|"
+                 f"{op.recomputable}|{op.module}".encode())
+    for v in graph.values:
+        h.update(f"{v.kind.value}|{v.alias_of}|{v.producer}|{v.scalar}".encode())
+    h.update(f"{graph.forward_outputs}|{graph.backward_outputs}|{graph.user_outputs}".encode())
+    for expr in size_exprs:  # symbols only in sizes (a gradient nobody reads), sorted
+        for name in sorted(free_symbol_names(expr)):
+            names.setdefault(name, f"S{len(names)}")
+    return h.hexdigest()[:32], tuple(names)
+
+
+def bucket(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Every size rounded up to a power of two (see NOTE [ Shape-generic plans ])."""
+    return tuple(1 << max(0, math.ceil(math.log2(max(s, 1)))) for s in sizes)
+
+
+class SizedGraph:
+    """A profiled graph whose byte sizes and times can be evaluated at other sizes.
+
+    Args:
+        graph: The graph with the times and workspaces measured at ``sizes``.
+        size_exprs: Bytes of each value's storage as a size expression (or ``int``).
+        symbols: Names of the size symbols, in the order ``sizes`` gives their values.
+        sizes: The symbol values the graph was profiled at.
+    """
+
+    def __init__(self, graph: RematGraph, size_exprs: Sequence[object], symbols: Sequence[str],
+                 sizes: Sequence[int]) -> None:
+        import sympy
+
+        self.graph = graph
+        self.symbols = tuple(symbols)
+        self.sizes = tuple(int(s) for s in sizes)
+        dynamic = [(i, e) for i, e in enumerate(size_exprs) if not isinstance(e, int)]
+        unique = list(dict.fromkeys(e for _, e in dynamic))
+        self._slots = [(i, unique.index(e)) for i, e in dynamic]
+        syms = [sympy.Symbol(s, integer=True, positive=True) for s in self.symbols]
+        by_name = {s.name: s for s in syms}
+        exprs = [e.xreplace({f: by_name[f.name] for f in e.free_symbols}) for e in unique]
+        self._evaluate = sympy.lambdify(syms, exprs, modules="math") if exprs else (lambda *a: [])
+        self._cache: dict[tuple[int, ...], RematGraph] = {self.sizes: graph}
+
+    def nbytes_at(self, sizes: Sequence[int]) -> list[int]:
+        """Bytes of every value's storage at ``sizes``."""
+        nbytes = [v.nbytes for v in self.graph.values]
+        unique = self._evaluate(*sizes)
+        for index, slot in self._slots:
+            nbytes[index] = int(unique[slot])
+        return nbytes
+
+    def at(self, sizes: Sequence[int]) -> RematGraph:
+        """The graph at ``sizes``: exact bytes; each op's time and workspace scaled from the
+        profiled ones by the bytes it reads and writes there."""
+        sizes = tuple(int(s) for s in sizes)
+        found = self._cache.get(sizes)
+        if found is not None:
+            return found
+        graph = self.graph
+        nbytes = self.nbytes_at(sizes)
+        root = graph.storage_root
+
+        def touched(op, table) -> int:
+            return sum(table[root[v]] for v in (*op.inputs, *op.outputs))
+
+        old = [v.nbytes for v in graph.values]
+        ops = []
+        for op in graph.ops:
+            before, after = touched(op, old), touched(op, nbytes)
+            scale = after / before if before > 0 else 1.0
+            ops.append(replace(op, time=op.time * scale, workspace=int(op.workspace * scale)))
+        values = tuple(replace(v, nbytes=n) if v.nbytes != n else v
+                       for v, n in zip(graph.values, nbytes))
+        result = replace(graph, ops=tuple(ops), values=values)
+        if len(self._cache) < 256:
+            self._cache[sizes] = result
+        return result
+
+
+@dataclass
+class Entry:
+    """One schedule of a family, with the plan it was solved with (``None`` for the unmodified
+    step and the least-memory fallback, which are never solved)."""
+
+    family: str
+    schedule: Schedule
+    plan: Plan | None
+    label: str
+    graph: RematGraph | None = None  # the graph it was solved on (for inspection)
+
+
+@dataclass
+class Family:
+    """Every schedule solved for one graph structure (see NOTE [ Shape-generic plans ])."""
+
+    key: str
+    sized: SizedGraph
+    budget_bytes: int  # the budget the family was first solved with
+    max_baseline: int = 0  # largest unmodified-step peak seen (NOTE [ Budgets over many sizes ])
+    input_dims: tuple[tuple[int, int] | None, ...] = ()  # per symbol: (input leaf, dimension)
+    entries: list[int] = field(default_factory=list)  # indices into ShapePlans.entries
+    solved_at: set[tuple[int, ...]] = field(default_factory=set)
+
+    def sizes_of(self, leaves: Sequence[object]) -> tuple[int, ...] | None:
+        """The symbol values of a call whose flattened inputs are ``leaves`` (``None`` when a
+        symbol is not a dimension of an input tensor)."""
+        import torch
+
+        sizes = []
+        for where in self.input_dims:
+            if where is None or where[0] >= len(leaves):
+                return None
+            leaf = leaves[where[0]]
+            if not isinstance(leaf, torch.Tensor) or where[1] >= leaf.dim():
+                return None
+            sizes.append(int(leaf.shape[where[1]]))
+        return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The schedule a batch of given sizes runs, and what it is predicted to cost there."""
+
+    entry: int
+    sizes: tuple[int, ...]
+    peak_bytes: int
+    time: float
+    fits: bool
+
+
+class ShapePlans:
+    """The schedules of one rematerialized module, and which one each batch size runs.
+
+    Args:
+        budget: The user's budget. Bytes hold for every size; a fraction applies to the largest
+            unmodified-step peak seen so far (NOTE [ Budgets over many sizes ]).
+        solver, time_limit, options: How to solve a new bucket (as for :func:`remat.rematerialize`).
+    """
+
+    def __init__(self, budget: Budget, *, solver: str, time_limit: float,
+                 options: dict | None = None) -> None:
+        self.budget = budget
+        self.solver = solver
+        self.time_limit = time_limit
+        self.options = dict(options or {})
+        self.families: dict[str, Family] = {}
+        self.entries: list[Entry] = []
+        self.choices: dict[tuple, Choice] = {}  # (family, sizes) -> choice
+        self._warned: set[str] = set()
+
+    # ---- building --------------------------------------------------------------------------
+    def add_family(self, key: str, sized: SizedGraph, schedule: Schedule, plan: Plan,
+                   input_dims: Sequence[tuple[int, int] | None] = ()) -> int:
+        """Register a freshly solved graph; returns the entry index of its schedule."""
+        family = Family(key, sized, plan.budget_bytes, plan.baseline_bytes, tuple(input_dims))
+        self.families[key] = family
+        family.solved_at.add(sized.sizes)
+        first = self._add(family, schedule, plan, f"solved at {self.describe(family, sized.sizes)}",
+                          sized.graph)
+        self._add(family, save_all_schedule(sized.graph), None, "unmodified step")
+        self.choices[(key, sized.sizes)] = Choice(
+            first, sized.sizes, plan.predicted_peak_bytes,
+            plan.baseline_time_s * (1 + plan.predicted_overhead),
+            plan.predicted_peak_bytes <= plan.budget_bytes)
+        return first
+
+    def _add(self, family: Family, schedule: Schedule, plan: Plan | None, label: str,
+             graph: RematGraph | None = None) -> int:
+        self.entries.append(Entry(family.key, schedule, plan, label, graph))
+        family.entries.append(len(self.entries) - 1)
+        return len(self.entries) - 1
+
+    @staticmethod
+    def describe(family: Family, sizes: Sequence[int]) -> str:
+        if not family.sized.symbols:
+            return "static shapes"
+        return ", ".join(f"{s}={v}" for s, v in zip(family.sized.symbols, sizes))
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every plan solved so far, in order."""
+        return [e.plan for e in self.entries if e.plan is not None]
+
+    @property
+    def graphs(self) -> list[RematGraph]:
+        """The graph each plan of :attr:`plans` was solved on."""
+        return [e.graph for e in self.entries if e.plan is not None]
+
+    # ---- choosing --------------------------------------------------------------------------
+    def price(self, family: Family, entry: int, sizes: Sequence[int]) -> Simulation:
+        return simulate(family.sized.at(sizes), self.entries[entry].schedule)
+
+    def baseline_at(self, family: Family, sizes: Sequence[int]) -> int:
+        """Peak of the unmodified step at ``sizes``."""
+        return self.price(family, family.entries[1], sizes).peak_bytes
+
+    def budget_at(self, family: Family, sizes: Sequence[int]) -> int:
+        """The budget in bytes for a batch of ``sizes``.
+
+        NOTE [ Budgets over many sizes ]
+        A byte budget is a memory limit and holds for every size. A fraction is a promise about
+        the run's peak, which its largest batch sets: it applies to the largest unmodified-step
+        peak seen so far for this graph (the example batch's, then any larger batch's), so
+        ``"50%"`` halves the run's peak whatever order the batches come in, and a small batch
+        is not squeezed to half of its own, already small, peak.
+        """
+        if self.budget.bytes is not None:
+            return self.budget.bytes
+        family.max_baseline = max(family.max_baseline, self.baseline_at(family, sizes))
+        return max(family.budget_bytes, self.budget.resolve(family.max_baseline))
+
+    def choose(self, key: str, sizes: Sequence[int]) -> Choice:
+        """The schedule for a batch of ``sizes`` (solving one if needed)."""
+        sizes = tuple(int(s) for s in sizes)
+        found = self.choices.get((key, sizes))
+        if found is not None:
+            return found
+        family = self.families[key]
+        budget_bytes = self.budget_at(family, sizes)
+        priced = [(self.price(family, e, sizes), e) for e in family.entries]
+        fitting = [(sim.time, e, sim) for sim, e in priced if sim.peak_bytes <= budget_bytes]
+        if fitting:
+            _, entry, sim = min(fitting, key=lambda t: (t[0], t[1]))
+            choice = Choice(entry, sizes, sim.peak_bytes, sim.time, True)
+        else:
+            choice = self._solve_for(family, sizes, budget_bytes, priced)
+        self.choices[(key, sizes)] = choice
+        return choice
+
+    def _solve_for(self, family: Family, sizes: tuple[int, ...], budget_bytes: int,
+                   priced: list) -> Choice:
+        from .planner import plan_graph
+
+        graph = family.sized.at(sizes)
+        lower = peak_lower_bound(graph)
+        if lower <= budget_bytes:
+            top = tuple(max(b, s) for b, s in zip(bucket(sizes), sizes))
+            for target in dict.fromkeys((top, sizes)):  # the bucket first, then these sizes
+                if target in family.solved_at:
+                    continue
+                at = family.sized.at(target)
+                # A fraction solves the bucket for the same share of its own peak.
+                target_bytes = budget_bytes if self.budget.bytes is not None or target == sizes \
+                    else max(budget_bytes, self.budget.resolve(self.baseline_at(family, target)))
+                if peak_lower_bound(at) > target_bytes:
+                    continue
+                budget = Budget(bytes=target_bytes, text=format_bytes(target_bytes))
+                try:
+                    plan, schedule = plan_graph(at, budget, solver=self.solver,
+                                                time_limit=self.time_limit, options=self.options)
+                except InfeasibleBudgetError as exc:
+                    log.debug("remat: no schedule at %s: %s", target, exc)
+                    family.solved_at.add(target)
+                    continue
+                family.solved_at.add(target)
+                where = self.describe(family, target)
+                plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
+                               f"solved for sizes {where}")
+                log.info("remat: solved a schedule for %s (bucket of %s)", where,
+                         self.describe(family, sizes))
+                entry = self._add(family, schedule, plan, f"solved at {where}", at)
+                sim = self.price(family, entry, sizes)
+                if sim.peak_bytes <= budget_bytes:
+                    return Choice(entry, sizes, sim.peak_bytes, sim.time, True)
+                priced.append((sim, entry))
+        # Nothing fits: the lowest peak we have, or the least-memory fallback if it is lower.
+        fallback = on_demand_schedule(graph, frozenset())  # recompute everything as needed
+        sim_fb = simulate(graph, fallback)
+        best_sim, best = min(priced, key=lambda t: (t[0].peak_bytes, t[0].time))
+        if sim_fb.peak_bytes < best_sim.peak_bytes:
+            best = self._add(family, fallback, None, "least memory (recompute on demand)")
+            best_sim = self.price(family, best, sizes)
+        fits = best_sim.peak_bytes <= budget_bytes
+        if not fits:
+            where = self.describe(family, sizes)
+            if where not in self._warned:
+                self._warned.add(where)
+                warnings.warn(
+                    f"remat: no schedule fits the budget {format_bytes(budget_bytes)} for sizes "
+                    f"{where} (no schedule can go below {format_bytes(lower)} there); running "
+                    f"the lowest-peak schedule found, {format_bytes(best_sim.peak_bytes)}. Use a "
+                    "smaller batch or a larger budget for these sizes.",
+                    stacklevel=4,
+                )
+        return Choice(best, sizes, best_sim.peak_bytes, best_sim.time, fits)
+
+    def summary(self) -> str:
+        """Every batch size seen: which schedule it ran and its predicted peak."""
+        lines = []
+        for (key, sizes), c in sorted(self.choices.items(), key=lambda kv: kv[0][1]):
+            family = self.families[key]
+            lines.append(f"{self.describe(family, sizes):<28} schedule {c.entry} "
+                         f"({self.entries[c.entry].label}): {format_bytes(c.peak_bytes)}"
+                         + ("" if c.fits else "  [over budget]"))
+        return "\n".join(lines)

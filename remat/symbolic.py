@@ -1,0 +1,82 @@
+"""Symbolic sizes: what a dynamic-shape joint graph says about bytes, and its value on a batch.
+
+NOTE [ Dynamic shapes ]
+``rematerialize`` captures with dynamic dimensions (``torch.compile(dynamic=True)``), so one
+joint graph stands for every batch size and sequence length: tensor shapes in it are sympy
+expressions of a few size symbols (``s27*s52*512``). Lowering evaluates them at the captured
+batch (its *hint*) for the solvers, which only ever see plain integers, and keeps the
+expressions so that a schedule can be re-priced at any other size without tracing again
+(:mod:`remat.sizes`). Nothing here adds a guard: hints are read with
+``optimization_hint``, never by comparing symbolic values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["hint", "size_expr", "is_symbolic_scalar", "free_symbol_names", "symbol_values",
+           "input_dims"]
+
+
+def is_symbolic_scalar(val: Any) -> bool:
+    """Whether ``val`` is a symbolic (or plain Python) scalar rather than a tensor."""
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def hint(val: Any) -> int:
+    """The concrete value of an int or ``SymInt`` on the captured example (adds no guard)."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    if isinstance(val, torch.SymInt):
+        return int(optimization_hint(val))
+    return int(val)
+
+
+def size_expr(val: Any) -> Any:
+    """A sympy expression for an int or ``SymInt`` (a plain ``int`` when it is static)."""
+    if isinstance(val, torch.SymInt):
+        expr = val.node.expr
+        return int(expr) if expr.is_number else expr
+    return int(val)
+
+
+def free_symbol_names(expr: Any) -> set[str]:
+    """Names of the size symbols in an expression (empty for an ``int``)."""
+    return {s.name for s in getattr(expr, "free_symbols", ())}
+
+
+def _shape_env(nodes):
+    for node in nodes:
+        val = node.meta.get("val", node.meta.get("example_value"))
+        for s in (getattr(val, "shape", None) or ()) if isinstance(val, torch.Tensor) else (val,):
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
+
+
+def symbol_values(graph: "torch.fx.Graph") -> dict[str, int]:
+    """Each size symbol of a dynamic-shape graph and its value on the captured example."""
+    env = _shape_env(graph.find_nodes(op="placeholder"))
+    if env is None:
+        return {}
+    table = getattr(env, "backed_var_to_val", None) or env.var_to_val
+    return {str(k): int(v) for k, v in table.items()}
+
+
+def input_dims(graph: "torch.fx.Graph", example_inputs, leaves) -> dict[str, tuple[int, int]]:
+    """For each size symbol that is a dimension of a call's input: (leaf index, dimension).
+
+    ``graph`` is dynamo's graph, ``example_inputs`` what dynamo passed for its placeholders,
+    ``leaves`` the flattened tensors of the user's call (matched by identity).
+    """
+    position = {id(t): k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+    found: dict[str, tuple[int, int]] = {}
+    for node, real in zip(graph.find_nodes(op="placeholder"), example_inputs):
+        fake = node.meta.get("example_value")
+        if not isinstance(fake, torch.Tensor) or id(real) not in position:
+            continue
+        for dim, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                found.setdefault(str(size.node.expr), (position[id(real)], dim))
+    return found

@@ -1,0 +1,183 @@
+"""Many input shapes, many models, one process: NOTE [ Shape-generic plans ] as users hit it.
+
+No test here resets dynamo: they run the way a training script does, one process, many calls.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import random
+import time
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+
+# Allocations outside the schedule's model: the test's scalar, and allocator detail of small
+# temporaries (measured: up to 180 B above the prediction on the unmodified step).
+LOSS_SLACK_BYTES = 1024
+TIME_LIMIT = 10.0
+MIN_LEN, MAX_LEN, MAX_BATCH = 32, 512, 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+                                  n_positions=MAX_LEN, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def shapes(count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """``count`` batches: 30 distinct lengths in [32, 512] (each used once or twice), random
+    batch sizes 1-8, in a random order (dynamic padding of a real fine-tuning run)."""
+    rng = random.Random(seed)
+    lengths = rng.sample(range(MIN_LEN, MAX_LEN + 1), 30)
+    lengths += rng.choices(lengths, k=count - len(lengths))
+    rng.shuffle(lengths)
+    return [(rng.randint(1, MAX_BATCH), n) for n in lengths]
+
+
+def test_forty_steps_thirty_lengths_exact_within_budget_few_solves(capsys):
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    example = torch.randint(96, (4, 128), generator=gen)
+
+    # The single-shape setup this is compared with: the same model and example, one shape.
+    t0 = time.perf_counter()
+    remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example, budget="65%",
+                        time_limit=TIME_LIMIT)
+    single_setup = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget="65%",
+                             time_limit=TIME_LIMIT)
+    setup = time.perf_counter() - t0
+    steps = shapes(40)
+    assert len({n for _, n in steps}) == 30
+    checked = 0
+    for k, (batch, length) in enumerate(steps):
+        ids = torch.randint(96, (batch, length), generator=gen)
+        for p in [*ref.parameters(), *model.parameters()]:
+            p.grad = None
+        torch.manual_seed(k)
+        t0 = time.perf_counter()
+        expected = ref(input_ids=ids, labels=ids)
+        expected.loss.backward()
+        eager = time.perf_counter() - t0
+        torch.manual_seed(k)
+        t0 = time.perf_counter()
+        with remat.track_memory() as mem:
+            out = rm(input_ids=ids, labels=ids)
+            out.loss.backward()
+        # Setup inside a step (a compile, a solve): its time beyond 3x the eager step (which
+        # covers the recomputation and the memory profiler's own overhead).
+        setup += max(0.0, time.perf_counter() - t0 - 3 * eager)
+        assert torch.equal(out.loss, expected.loss), (batch, length)
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), (batch, length)
+        family = rm.shapes.families[first_family(rm)]
+        choice = rm.shapes.choose(family.key, (batch, length))
+        budget = rm.shapes.budget_at(family, (batch, length))
+        assert mem.peak_bytes <= choice.peak_bytes + LOSS_SLACK_BYTES, (batch, length)
+        if choice.fits:
+            assert mem.peak_bytes <= budget + LOSS_SLACK_BYTES, (batch, length)
+            checked += 1
+    solves = len(rm.plans)
+    with capsys.disabled():
+        print(f"\n40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s "
+              f"(single shape {single_setup:.1f} s); {checked} steps within the budget\n"
+              + rm.shapes.summary())
+    assert solves <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1
+    assert checked >= 30
+    assert setup <= 3 * single_setup
+
+
+def first_family(rm) -> str:
+    return next(iter(rm.shapes.families))
+
+
+def test_a_later_larger_batch_is_rematerialized_not_run_unmodified():
+    model = tiny_gpt2()
+    small = torch.randint(96, (2, 64))
+    rm = remat.rematerialize(model, input_ids=small, labels=small, budget="65%",
+                             time_limit=TIME_LIMIT)
+    big = torch.randint(96, (8, 256))
+    with remat.track_memory() as mem:
+        rm(input_ids=big, labels=big).loss.backward()
+    family = rm.shapes.families[first_family(rm)]
+    choice = rm.shapes.choose(family.key, (8, 256))
+    baseline = rm.shapes.baseline_at(family, (8, 256))
+    # "65%" follows the largest batch seen: 65% of the big batch's unmodified peak.
+    assert choice.fits and rm.shapes.entries[choice.entry].label != "unmodified step"
+    assert mem.peak_bytes <= 0.65 * baseline + LOSS_SLACK_BYTES
+
+
+def test_twenty_rematerialize_calls_in_one_process_all_rematerialized():
+    # One model class (its forward's code is shared) and other classes, without a dynamo reset.
+    models = [tiny_gpt2(seed) for seed in range(10)]
+    models += [nn.Sequential(*[m for _ in range(2 + k % 3) for m in (nn.Linear(32, 32), nn.GELU())])
+               for k in range(10)]
+    for k, model in enumerate(models):
+        if isinstance(model, nn.Sequential):
+            args, kwargs = (torch.randn(64 + k, 32),), {}
+        else:
+            ids = torch.randint(96, (2, 40 + k))
+            args, kwargs = (), {"input_ids": ids, "labels": ids}
+        ref = copy.deepcopy(model)
+        rm = remat.rematerialize(model, *args, budget="90%", time_limit=5, **kwargs)
+        assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
+        torch.manual_seed(k)  # dropout: the same random stream for both
+        out = rm(*args, **kwargs)
+        torch.manual_seed(k)
+        expected = ref(*args, **kwargs)
+        loss = out.loss if hasattr(out, "loss") else out.sum()
+        (expected.loss if hasattr(expected, "loss") else expected.sum()).backward()
+        loss.backward()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), k
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: a closure cell inside dynamo's compile path "
+                   "still holds the slot backend after the module is dropped (see the issue note)")
+def test_a_dropped_module_frees_its_compiled_state():
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(256, 64)
+    rm = remat.rematerialize(model, x, budget="90%", time_limit=5)
+    rm(x).sum().backward()
+    backend = weakref.ref(rm._remat_backend)
+    del rm
+    gc.collect()
+    assert backend() is None
+
+
+def test_first_call_mutation_does_not_solve_again():
+    # Hugging Face classifiers set config.problem_type on their first forward.
+    cfg = transformers.RobertaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=96,
+                                     max_position_embeddings=80, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.RobertaForSequenceClassification(cfg).train()
+    ids = torch.randint(3, 96, (4, 24))
+    labels = torch.randint(3, (4,))
+    assert model.config.problem_type is None
+    rm = remat.rematerialize(model, input_ids=ids, labels=labels, budget="70%", time_limit=5)
+    for _ in range(2):
+        ids = torch.randint(3, 96, (4, 24))
+        rm(input_ids=ids, labels=labels).loss.backward()
+    assert model.config.problem_type == "single_label_classification"
+    assert len(rm.plans) == 1
