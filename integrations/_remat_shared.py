@@ -26,14 +26,18 @@ NOTE [ Same plan on every rank ]
     its :class:`remat.PlanCache` is broadcast and the other ranks capture the same graph, which
     hits the cache (no profiling, no solve). Rank 0's failures are broadcast too, so every rank
     takes the same decision (raise with ``strict=True``, train that target unmodified otherwise)
-    and no rank waits forever in a collective. A graph first seen later in training (a new input
-    shape, e.g. a short last batch) is solved by each rank on its own: gradients stay exact, only
-    the schedules may differ between ranks.
+    and no rank waits forever in a collective. A schedule solved later in training (a size bucket
+    none of the schedules fits) is solved by each rank on its own: gradients stay exact, only the
+    schedules may differ between ranks.
 
-NOTE [ A fraction budget is pinned to bytes ]
-    ``remat.rematerialize`` resolves a fraction budget on the example batch and applies the same
-    bytes to later input shapes (a short last batch), running a shape that still cannot fit with
-    its lowest-peak schedule and a warning (NOTE [ Later input shapes ] in ``remat/module.py``).
+NOTE [ Budgets over many batch sizes ]
+    ``remat.rematerialize`` captures the warmup batch with dynamic dimensions: later batches of
+    other sizes (dynamic padding, a short last batch) reuse the captured graph and run the
+    fastest solved schedule that fits at their size, re-priced by the simulator, with a new
+    solve only per size bucket that none fits (NOTE [ Shape-generic plans ] in
+    ``remat/sizes.py``). A byte budget holds for every size; a fraction follows the largest
+    unmodified-step peak seen so far; a size that cannot fit runs with the lowest-peak schedule
+    and one warning.
 """
 from __future__ import annotations
 
@@ -407,7 +411,8 @@ class TargetResult:
     Attributes:
         name: Its dotted path.
         plan: The plan solved for the warmup batch (``None`` if it trains unmodified).
-        plans: Every plan solved for it so far (one per input shape seen; updated while swapped).
+        plans: Every plan solved for it so far (the first, then one per size bucket that needed
+            its own schedule; updated while swapped).
         capture_time_s: Wall time of capture + profiling + solve (or cache lookup) on this rank.
         skipped: Why it trains unmodified, or ``""``.
         remat_module: The :class:`remat.RematModule` swapped in (``None`` if skipped).

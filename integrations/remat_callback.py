@@ -126,8 +126,9 @@ class HiRemateCallback(Callback):
 
     Every rank of a DDP run uses the plan solved on rank 0. The plans are kept in the callback's
     checkpoint state, so resuming does not profile or solve again; ``cache_dir`` also keeps them
-    on disk across runs. A new input shape (a short last batch) is captured and solved once when
-    it first appears, under the same budget.
+    on disk across runs. Batches of other sizes (dynamic padding, a short last batch) reuse the
+    captured graph with the fastest schedule that fits at their size (NOTE [ Shape-generic
+    plans ] in ``remat/sizes.py``).
 
     Args:
         budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified network's

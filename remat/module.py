@@ -1,11 +1,15 @@
 """``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
 
 NOTE [ Later input shapes ]
-A new input shape (the last, short batch) or mode is captured and solved again. A fraction budget
-is resolved once, on the example batch: later shapes get the same budget in bytes (what a user
-means is a memory limit for the run; 50% of a short batch's own, gradient-heavy baseline can be
-infeasible). If a later shape still cannot fit, it runs with the lowest-peak schedule found and a
-warning instead of failing in the middle of training.
+The example call is captured with dynamic dimensions (NOTE [ Dynamic shapes ]), so a batch of
+another size (dynamic padding, a short last batch, another image size) is the same graph at
+other sizes: it runs the fastest schedule that fits the budget there, re-priced by the
+simulator, and a new schedule is solved only for a size bucket none fits
+(NOTE [ Shape-generic plans ] in ``remat/sizes.py``). A byte budget holds for every size; a
+fraction follows the largest unmodified-step peak seen (NOTE [ Budgets over many sizes ]). A size
+that no schedule can fit runs with the lowest-peak schedule found and one warning, instead of
+failing in the middle of training. A graph dynamo has to specialise (a size of 1, eval mode) is
+profiled and solved on its own.
 
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
@@ -139,10 +143,12 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
 def _forget_backends(slots: dict) -> None:
     from torch._dynamo import eval_frame
 
-    ours = {id(slot_backend) for _, slot_backend in slots.values()}
+    ours = {id(slot_backend) for _, slot_backend, _ in slots.values()}
     for key, value in list(eval_frame.cached_backends.items()):
         if id(getattr(value, "compiler_fn", value)) in ours:
             eval_frame.cached_backends.pop(key, None)
+    for _, _, code in slots.values():
+        torch._C._dynamo.eval_frame.reset_code(code)  # the compiled graphs kept on the code
     slots.clear()
 
 
@@ -229,7 +235,7 @@ class RematModule(nn.Module):
             step = _own_step("auto" if entry is None else str(entry))
             slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True, dynamic=True,
                                           recompile_limit=_RECOMPILE_LIMIT,
-                                          isolate_recompiles=True), slot_backend)
+                                          isolate_recompiles=True), slot_backend, step.__code__)
         return slots[entry][0]
 
     def _decide(self, leaves: list[Any]) -> int | None:
@@ -276,9 +282,12 @@ class RematModule(nn.Module):
             # The step compiled for "whichever fits" now runs a known schedule: file it there.
             entry = backend.last_entry
             slots = self._remat_slots
-            compiled, slot_backend = slots.pop(None)
+            compiled, slot_backend, code = slots.pop(None)
             slot_backend.keywords["request"] = entry
-            slots.setdefault(entry, (compiled, slot_backend))
+            if entry in slots:  # already compiled for this schedule: keep both, free both later
+                slots[("auto", id(code))] = (compiled, slot_backend, code)
+            else:
+                slots[entry] = (compiled, slot_backend, code)
         decisions.setdefault(key, entry)
         return out
 

@@ -98,12 +98,30 @@ class ByteWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class _RandomLength:
+    """Collate, then cut the batch to a length drawn from ``[low, high]`` (seeded)."""
+
+    def __init__(self, low: int, high: int, seed: int) -> None:
+        self.low, self.high = low, high
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, items):
+        from torch.utils.data import default_collate
+
+        x, y = default_collate(items)
+        n = int(torch.randint(self.low, self.high + 1, (), generator=self.generator))
+        return x[:, :n].contiguous(), y[:, :n].contiguous()
+
+
 class StdlibTextDataModule(L.LightningDataModule):
     """Train/validation split of :func:`load_stdlib_bytes`: the last ``val_fraction`` of the bytes
     is the validation text.
 
     Training windows are shuffled by a generator seeded with ``shuffle_seed`` (same order every
-    run); the last incomplete training batch is dropped so every step sees the same shape.
+    run); the last incomplete training batch is dropped. With ``min_length`` set, each training
+    batch is cut to its own length, drawn uniformly from ``[min_length, block_size]`` by a
+    generator seeded with ``shuffle_seed`` (what dynamic padding gives a real fine-tuning run:
+    every step has another shape); otherwise every step sees the same shape.
     """
 
     def __init__(
@@ -115,8 +133,13 @@ class StdlibTextDataModule(L.LightningDataModule):
         files: Sequence[str] = DEFAULT_STDLIB_FILES,
         shuffle_seed: int = 0,
         num_workers: int = 0,
+        min_length: int | None = None,
     ) -> None:
         super().__init__()
+        if min_length is not None and not 1 <= min_length <= block_size:
+            raise ValueError(f"min_length={min_length!r}: expected an int in [1, block_size="
+                             f"{block_size}], or None for full-length batches")
+        self.min_length = min_length
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -135,9 +158,12 @@ class StdlibTextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.shuffle_seed)
+        collate = None
+        if self.min_length is not None:
+            collate = _RandomLength(self.min_length, self.block_size, self.shuffle_seed)
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-            generator=generator, num_workers=self.num_workers,
+            generator=generator, num_workers=self.num_workers, collate_fn=collate,
         )
 
     def describe(self) -> dict[str, str]:

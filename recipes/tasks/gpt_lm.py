@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.nn import functional as F
@@ -70,17 +70,23 @@ class GPTDataConfig:
         batch_size: Sequences per step.
         val_fraction: Share of the text (its end) held out for validation, in (0, 1).
         files: Stdlib files (relative to ``sysconfig.get_paths()["stdlib"]``) read in order.
-        shuffle_seed: Seed of the training-window order.
+        shuffle_seed: Seed of the training-window order (and of the lengths).
+        min_length: When set, every training batch gets its own length, drawn from
+            ``[min_length, model.block_size]`` (variable-length batches, as dynamic padding
+            gives); ``null`` (default) keeps every batch at ``block_size``.
     """
 
     batch_size: int = 16
     val_fraction: float = 0.1
     files: List[str] = field(default_factory=lambda: list(DEFAULT_STDLIB_FILES))
     shuffle_seed: int = 0
+    min_length: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise InvalidValue("batch_size", self.batch_size, "expected an int >= 1")
+        if self.min_length is not None and self.min_length < 1:
+            raise InvalidValue("min_length", self.min_length, "expected an int >= 1 or null")
         if not 0.0 < self.val_fraction < 1.0:
             raise InvalidValue("val_fraction", self.val_fraction, "expected a float in (0, 1)")
         if not self.files:
@@ -123,6 +129,9 @@ class GPTLanguageModel(RecipeModule):
 
 def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
     """Build the ``gpt_lm`` LightningModule and DataModule."""
+    if data.min_length is not None and data.min_length > model.block_size:
+        raise InvalidValue("min_length", data.min_length,
+                           f"expected at most model.block_size={model.block_size}")
     net = GPT(
         vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
         n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout, bias=model.bias,
@@ -131,6 +140,7 @@ def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
     datamodule = StdlibTextDataModule(
         block_size=model.block_size, batch_size=data.batch_size, val_fraction=data.val_fraction,
         files=data.files, shuffle_seed=data.shuffle_seed,
+        min_length=data.min_length,
     )
     return GPTLanguageModel(net, optim=optim), datamodule
 

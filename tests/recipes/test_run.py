@@ -99,3 +99,29 @@ def test_step_memory_is_not_reported_as_zero_under_another_profiler(recipe_path,
     summary = run_recipe(load_recipe(recipe_path("cnn_plain.yaml"), ["trainer.max_steps=2"]), printer=lines.append)
     assert summary.step_peak_bytes is None and summary.step_peak_step == 2
     assert "peak memory (step 2): n/a (another torch.profiler session was active in this step)" in lines[-1]
+
+
+def test_gpt_remat_on_variable_length_batches_solves_a_few_times(recipe_path, monkeypatch):
+    import recipes.train
+
+    built = []
+    original = recipes.train.build_callbacks
+
+    def keep(recipe):
+        callbacks = original(recipe)
+        built.extend(callbacks)
+        return callbacks
+
+    monkeypatch.setattr(recipes.train, "build_callbacks", keep)
+    overrides = ["trainer.max_steps=12", "model.n_layer=2", "model.n_embd=32", "model.block_size=64",
+                 "data.min_length=16", "trainer.limit_val_batches=2", "optim.warmup_steps=2",
+                 "remat.budget=65%", "remat.time_limit=10"]
+    summary = run_recipe(load_recipe(recipe_path("gpt_remat_varlen.yaml"), overrides),
+                         printer=lambda _: None)
+    callback = next(c for c in built if type(c).__name__ == "HiRemateCallback")
+    result = callback.results["net"]
+    assert result.plan is not None
+    # Twelve batches of different lengths in [16, 64]: one graph, every length priced on it,
+    # and at most one solve per power-of-two bucket above the example's.
+    assert len(result.plans) <= 3
+    assert summary.final_train_loss < summary.first_train_loss

@@ -1,0 +1,181 @@
+"""Dynamic padding: remat vs the alternatives on batches of many shapes, side by side in one run.
+
+    python -m benchmarks.remat_shapes                  # GPT, 24 batches, lengths 32-256
+    python -m benchmarks.remat_shapes --quick
+
+Every method trains the same GPT on the same sequence of batches, each of its own length and
+size (what ``DataCollatorWithPadding`` produces). Per method it prints:
+
+* ``setup s``    — wall time of the whole run minus the sum of its steady step times (the time
+  spent capturing, compiling and solving, whenever a new shape triggered it);
+* ``peak/eager`` — the largest ratio, over all batches, of the step's measured peak
+  (``remat.track_memory``) to eager PyTorch's peak on the same batch, and the mean ratio;
+* ``time/eager`` — total steady step time over eager's total (each batch is run twice; the
+  second run is timed).
+
+Methods: eager; ``torch.utils.checkpoint`` around every block; ``torch.compile(dynamic=True)``
+with ``activation_memory_budget``; ``remat.rematerialize`` (the example is the first batch).
+Not a test: it never fails on times; the numbers go in the issue notes.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import remat
+from benchmarks.models import GPT, GPTConfig
+from benchmarks.remat_compare import with_block_checkpoints
+
+
+@dataclass
+class Result:
+    method: str
+    setup_s: float = 0.0
+    ratios: list[float] = field(default_factory=list)
+    step_s: float = 0.0
+    exact: bool = True
+    note: str = ""
+
+
+def batches(count: int, max_batch: int, min_len: int, max_len: int, vocab: int,
+            seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        idx = torch.randint(vocab, (rng.randint(1, max_batch), rng.randint(min_len, max_len)),
+                            generator=gen)
+        out.append((idx, torch.roll(idx, -1, dims=1)))
+    return out
+
+
+def run(method: str, step, data, eager_peaks: list[int] | None, ref_grads, params) -> Result:
+    result = Result(method)
+    start = time.perf_counter()
+    steady = 0.0
+    peaks = []
+    for k, batch in enumerate(data):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(k)
+        with remat.track_memory() as mem:
+            step(batch).backward()
+        peaks.append(mem.peak_bytes)
+        if ref_grads is not None:
+            result.exact &= all(torch.equal(p.grad, g) for p, g in zip(params, ref_grads[k]))
+        for p in params:
+            p.grad = None
+        torch.manual_seed(k)
+        t0 = time.perf_counter()
+        step(batch).backward()
+        steady += time.perf_counter() - t0
+    total = time.perf_counter() - start
+    result.step_s = steady
+    # Each batch ran twice: the steady run, and a first run that also did any setup (+ the
+    # memory profiler's overhead, which the steady run has not: counted once more as steady).
+    result.setup_s = max(0.0, total - 2 * steady)
+    if eager_peaks is not None:
+        result.ratios = [p / e for p, e in zip(peaks, eager_peaks)]
+    result.peaks = peaks  # type: ignore[attr-defined]
+    return result
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=24)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--min-len", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--budget", type=float, default=50.0, help="percent")
+    parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.d_model, args.batches, args.max_len = 2, 64, 10, 128
+    torch.set_num_threads(args.threads)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.max_len, d_model=args.d_model,
+                    n_layer=args.layers, n_head=args.heads, dropout=0.1)
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    data = batches(args.batches, args.max_batch, args.min_len, args.max_len, args.vocab)
+    frac = args.budget / 100.0
+
+    params = list(model.parameters())
+    ref_grads = []
+
+    def eager_step(batch):
+        return model(*batch)
+
+    # Eager first, keeping its gradients (the reference) and peaks.
+    eager = Result("eager")
+    start = time.perf_counter()
+    eager_peaks = []
+    for k, batch in enumerate(data):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(k)
+        with remat.track_memory() as mem:
+            eager_step(batch).backward()
+        eager_peaks.append(mem.peak_bytes)
+        ref_grads.append([p.grad.detach().clone() for p in params])
+        for p in params:
+            p.grad = None
+        torch.manual_seed(k)
+        t0 = time.perf_counter()
+        eager_step(batch).backward()
+        eager.step_s += time.perf_counter() - t0
+    eager.setup_s = max(0.0, time.perf_counter() - start - 2 * eager.step_s)
+    eager.ratios = [1.0] * len(data)
+    results = [eager]
+
+    ck = with_block_checkpoints(model)
+    results.append(run(f"checkpoint({cfg.n_layer} blocks)", lambda b: ck(*b), data, eager_peaks,
+                       ref_grads, list(ck.parameters())))
+
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    with torch._functorch.config.patch(activation_memory_budget=frac):
+        cm = torch.compile(m, backend="aot_eager", dynamic=True)
+        results.append(run(f"compile+amb={frac:g} dyn", lambda b: cm(*b), data, eager_peaks,
+                           ref_grads, list(m.parameters())))
+
+    m = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    rm = remat.rematerialize(m, *data[0], budget=f"{args.budget:g}%", time_limit=args.time_limit)
+    first = time.perf_counter() - t0
+    row = run(f"remat({args.budget:g}%)", lambda b: rm(*b), data, eager_peaks, ref_grads,
+              list(m.parameters()))
+    row.setup_s += first
+    fits = sum(c.fits for c in rm.shapes.choices.values())
+    row.note = (f"{len(rm.plans)} solves, {len(rm.shapes.choices)} sizes ({fits} within budget), "
+                f"first setup {first:.1f}s")
+    results.append(row)
+
+    print(f"\nGPT layers={cfg.n_layer} d={cfg.d_model} batches={len(data)} "
+          f"(batch 1-{args.max_batch}, len {args.min_len}-{args.max_len}, "
+          f"{len({tuple(b[0].shape) for b in data})} shapes) budget={args.budget:g}% "
+          f"torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(f"{'method':<26}{'setup s':>9}{'max peak/eager':>16}{'mean':>7}{'time/eager':>12}"
+          f"{'exact':>7}  notes")
+    for r in results:
+        print(f"{r.method:<26}{r.setup_s:>9.1f}{max(r.ratios):>16.3f}"
+              f"{statistics.mean(r.ratios):>7.3f}{r.step_s / eager.step_s:>12.3f}"
+              f"{str(r.exact):>7}  {r.note}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
