@@ -56,7 +56,10 @@ def batches(count: int, max_batch: int, min_len: int, max_len: int, vocab: int,
     return out
 
 
-def run(method: str, step, data, eager_peaks: list[int] | None, ref_grads, params) -> Result:
+def run(method: str, step, data, eager_peaks: list[int] | None, ref_grads, params,
+        record: list | None = None) -> Result:
+    """Each batch twice: once measured (peak, gradients), once timed. ``record`` receives each
+    batch's gradients (the reference run); ``ref_grads`` are compared with."""
     result = Result(method)
     start = time.perf_counter()
     steady = 0.0
@@ -68,6 +71,8 @@ def run(method: str, step, data, eager_peaks: list[int] | None, ref_grads, param
         with remat.track_memory() as mem:
             step(batch).backward()
         peaks.append(mem.peak_bytes)
+        if record is not None:
+            record.append([p.grad.detach().clone() for p in params])
         if ref_grads is not None:
             result.exact &= all(torch.equal(p.grad, g) for p, g in zip(params, ref_grads[k]))
         for p in params:
@@ -113,31 +118,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
     data = batches(args.batches, args.max_batch, args.min_len, args.max_len, args.vocab)
     frac = args.budget / 100.0
 
-    params = list(model.parameters())
-    ref_grads = []
-
-    def eager_step(batch):
-        return model(*batch)
-
-    # Eager first, keeping its gradients (the reference) and peaks.
-    eager = Result("eager")
-    start = time.perf_counter()
-    eager_peaks = []
-    for k, batch in enumerate(data):
-        for p in params:
-            p.grad = None
-        torch.manual_seed(k)
-        with remat.track_memory() as mem:
-            eager_step(batch).backward()
-        eager_peaks.append(mem.peak_bytes)
-        ref_grads.append([p.grad.detach().clone() for p in params])
-        for p in params:
-            p.grad = None
-        torch.manual_seed(k)
-        t0 = time.perf_counter()
-        eager_step(batch).backward()
-        eager.step_s += time.perf_counter() - t0
-    eager.setup_s = max(0.0, time.perf_counter() - start - 2 * eager.step_s)
+    ref_grads: list = []
+    eager = run("eager", lambda b: model(*b), data, None, None, list(model.parameters()),
+                record=ref_grads)
+    eager_peaks = eager.peaks  # type: ignore[attr-defined]
     eager.ratios = [1.0] * len(data)
     results = [eager]
 

@@ -24,7 +24,7 @@ NOTE [ Same plan on every rank ]
     ``rematerialize`` times each op on the example batch; times measured on different ranks
     differ, so independent solves could pick different schedules. Rank 0 captures and solves;
     its :class:`remat.PlanCache` is broadcast and the other ranks capture the same graph, which
-    hits the cache (no profiling, no solve). Rank 0's failures are broadcast too, so every rank
+    hits the cache (no solve; ops are still timed to check the plan). Rank 0's failures are broadcast too, so every rank
     takes the same decision (raise with ``strict=True``, train that target unmodified otherwise)
     and no rank waits forever in a collective. A schedule solved later in training (a size bucket
     none of the schedules fits) is solved by each rank on its own: gradients stay exact, only the

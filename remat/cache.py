@@ -3,18 +3,26 @@
 NOTE [ Plan cache ]
 A key hashes what determines a schedule's validity and cost model: every op's structural
 signature, wiring, byte sizes and flags (not its measured time, which is noisy), plus the budget
-as the user wrote it, the solver and its options. A hit skips profiling and solving: the stored
-schedule is checked against the graph with the simulator (a stale or foreign entry is ignored,
-never trusted). The cache lives in memory and, when given a directory, in one JSON file per key
-there, so a re-run or a resumed job skips solving; ``state_dict()`` lets a Lightning callback
-keep it in a checkpoint, and broadcasting it from rank 0 gives every DDP rank the same plan.
+as the user wrote it, the solver and its options. A hit skips solving (ops are still timed), but nothing
+in the file is trusted: the schedule is re-simulated on the graph (a stale or foreign entry does
+not fit it), checked against the budget requested now (an entry edited or copied from another
+budget is refused), and the plan's numbers are recomputed from the simulation. Malformed files
+are ignored with a warning; files are written under unique temporary names and renamed into
+place; a directory that cannot be written warns and the run goes on. The cache lives in memory
+and, when given a directory, in one JSON file per key there, so a re-run or a resumed job skips
+solving; ``state_dict()`` lets a Lightning callback keep it in a checkpoint, and broadcasting it
+from rank 0 gives every DDP rank the same plan.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import tempfile
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,29 +67,56 @@ class PlanCache:
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self.directory = Path(directory).expanduser() if directory is not None else None
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, dict[str, Any]] = {}
+        self._unwritable = False
+        if self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._cannot_write(exc)
 
     def get(self, key: str) -> tuple[Schedule, Plan] | None:
-        """The schedule and plan stored under ``key``, or ``None``."""
+        """The schedule and plan stored under ``key``, or ``None``.
+
+        The plan's numbers are what the file says: :class:`remat.RematBackend` re-simulates
+        the schedule and recomputes them before using it (NOTE [ Plan cache ]). A file that is
+        not a well-formed entry is ignored with a warning.
+        """
         entry = self._entries.get(key)
         if entry is None and self.directory is not None:
             path = self.directory / f"{key}.json"
-            if path.exists():
-                try:
-                    entry = json.loads(path.read_text())
-                except (OSError, ValueError) as exc:
-                    log.warning("ignoring unreadable plan cache file %s: %s", path, exc)
-                    return None
-                self._entries[key] = entry
-        if entry is None or entry.get("version") != _VERSION:
+            if not path.exists():
+                return None
+            try:
+                entry = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                warnings.warn(f"remat: ignoring unreadable plan cache file {path}: {exc}",
+                              stacklevel=2)
+                return None
+            problem = _malformed(entry)
+            if problem:
+                warnings.warn(f"remat: ignoring plan cache file {path}: {problem}", stacklevel=2)
+                return None
+            self._entries[key] = entry
+        if entry is None or _malformed(entry):
             return None
-        schedule = Schedule(tuple(entry["forward"]), frozenset(entry["saved"]), tuple(entry["backward"]))
-        return schedule, Plan(**entry["plan"])
+        schedule = Schedule(tuple(entry["forward"]), frozenset(entry["saved"]),
+                            tuple(entry["backward"]))
+        known = {f.name for f in dataclasses.fields(Plan)}
+        try:
+            plan = Plan(**{k: v for k, v in entry["plan"].items() if k in known})
+        except TypeError as exc:
+            warnings.warn(f"remat: ignoring plan cache entry {key}: {exc}", stacklevel=2)
+            return None
+        return schedule, plan
 
     def put(self, key: str, schedule: Schedule, plan: Plan) -> None:
-        """Store a solved schedule (and write it to disk when the cache has a directory)."""
+        """Store a solved schedule (and write it to disk when the cache has a directory).
+
+        The file is written under a unique temporary name and renamed into place, so concurrent
+        writers (DDP ranks, two jobs) never collide and readers never see half a file. A
+        directory that cannot be written warns once; the run goes on with the in-memory cache.
+        """
         entry = {
             "version": _VERSION,
             "forward": list(schedule.forward),
@@ -90,11 +125,27 @@ class PlanCache:
             "plan": asdict(plan),
         }
         self._entries[key] = entry
-        if self.directory is not None:
-            path = self.directory / f"{key}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(entry))
-            os.replace(tmp, path)  # atomic: concurrent ranks never read half a file
+        if self.directory is None or self._unwritable:
+            return
+        path = self.directory / f"{key}.json"
+        tmp = None
+        try:
+            with tempfile.NamedTemporaryFile("w", dir=self.directory, prefix=f".{key}.",
+                                             suffix=".tmp", delete=False) as f:
+                tmp = f.name
+                json.dump(entry, f)
+            os.replace(tmp, path)  # atomic
+        except OSError as exc:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            self._cannot_write(exc)
+
+    def _cannot_write(self, exc: OSError) -> None:
+        if not self._unwritable:
+            warnings.warn(f"remat: cannot write the plan cache in {self.directory} ({exc}); "
+                          "continuing without saving plans there", stacklevel=3)
+        self._unwritable = True
 
     def __contains__(self, key: str) -> bool:
         return self.get(key) is not None
@@ -107,7 +158,25 @@ class PlanCache:
         return {"version": _VERSION, "entries": dict(self._entries)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Add the entries of a :meth:`state_dict` (entries of other versions are ignored)."""
-        if state.get("version") != _VERSION:
+        """Add the entries of a :meth:`state_dict` (entries of other versions or malformed ones
+        are ignored)."""
+        if not isinstance(state, dict) or state.get("version") != _VERSION:
             return
-        self._entries.update(state.get("entries", {}))
+        entries = state.get("entries", {})
+        if isinstance(entries, dict):
+            self._entries.update({k: e for k, e in entries.items() if not _malformed(e)})
+
+
+def _malformed(entry: Any) -> str:
+    """Why ``entry`` is not a well-formed cache entry (``""`` when it is)."""
+    if not isinstance(entry, dict):
+        return f"expected a JSON object, got {type(entry).__name__}"
+    if entry.get("version") != _VERSION:
+        return f"version {entry.get('version')!r}, expected {_VERSION}"
+    for name in ("forward", "saved", "backward"):
+        ops = entry.get(name)
+        if not isinstance(ops, list) or not all(isinstance(i, int) and i >= 0 for i in ops):
+            return f"{name!r} must be a list of op indices"
+    if not isinstance(entry.get("plan"), dict):
+        return "'plan' must be an object"
+    return ""

@@ -93,6 +93,14 @@ def measure_op_times(
         sync = _sync_for(primals)
         if any(t.device.type == "cuda" for t in primals if isinstance(t, torch.Tensor)):
             run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
+        elif torch._C._autograd._profiler_enabled():
+            # NOTE [ Capturing inside a profiler ]: a second profiler session would end the one
+            # running (``track_memory`` around a capture would read 0): scratch memory is not
+            # measured then, only the outputs nobody reads (counted at lowering).
+            log.warning("remat: a torch.profiler session is running (e.g. track_memory around "
+                        "the capture): op scratch memory is not measured; the predicted peak may "
+                        "be a little low. Capture outside the profiler for exact predictions.")
+            run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
         else:
             names = {node.name: i for node, i in op_index.items()}
             workspaces = _cpu_workspaces(run_graph, names, len(workspaces))

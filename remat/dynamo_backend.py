@@ -13,22 +13,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-from .budget import Budget, parse_budget
+from .budget import Budget, format_bytes, parse_budget
 from .cache import PlanCache, graph_key
-from .errors import ScheduleError
+from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, generate_modules
 from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import bind_sizes, split_dropout
 from .plan import Plan
-from .planner import plan_graph
-from .schedule import Schedule, simulate
+from .planner import describe, plan_graph
+from .schedule import Schedule, save_all_schedule, simulate
 from .sizes import ShapePlans, SizedGraph, structure_key
 from .solvers import get_solver
 from .symbolic import hint, input_dims, symbol_values
@@ -38,6 +39,11 @@ __all__ = ["RematBackend", "backend", "DEFAULT_SOLVER"]
 log = logging.getLogger(__name__)
 
 DEFAULT_SOLVER = "hierarchical"
+
+# A cached schedule is checked against the budget with the scratch memory measured in this
+# process, which can differ by a few bytes from the solving process's (another DDP rank): a
+# schedule within 1% of the budget is the same plan, an entry solved for another budget is not.
+_CACHE_TOLERANCE = 0.01
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -135,21 +141,31 @@ class RematBackend:
     def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims) -> int:
         """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
         cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options)
-        hit = self._cached(cache_key, lowered.graph)
+        # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
+        # cached schedule against the budget) need the measured scratch memory.
+        primals = self._primals(gm, real_inputs, joint)
+        workspaces = None
+        if self.measure and primals is not None:
+            times, workspaces = measure_op_times(lowered, joint, primals)
+        else:
+            times = model_op_times(lowered)
+        graph = lowered.graph.with_times(times, workspaces)
+        hit = self._cached(cache_key, graph)
         if hit is not None:
             schedule, plan = hit
-            graph = lowered.graph
         else:
-            primals = self._primals(gm, real_inputs, joint)
-            workspaces = None
-            if self.measure and primals is not None:
-                times, workspaces = measure_op_times(lowered, joint, primals)
-            else:
-                times = model_op_times(lowered)
-            graph = lowered.graph.with_times(times, workspaces)
-            plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
-                                        time_limit=self.time_limit, options=self.options,
-                                        over_budget="lowest" if self.lenient else "raise")
+            try:
+                plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
+                                            time_limit=self.time_limit, options=self.options,
+                                            over_budget="lowest" if self.lenient else "raise")
+            except RematError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a solver crash is ours, not the model's
+                raise SolverError(
+                    f"solver {self.solver!r} failed on a {len(graph.ops)}-op graph: "
+                    f"{type(exc).__name__}: {exc}. This is a bug in hiremate; please report it. "
+                    f"Meanwhile another solver may work (solver='dp' or 'checkpoint')",
+                    solver=self.solver, status="crashed") from exc
             if self.cache is not None:
                 self.cache.put(cache_key, schedule, plan)
         sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
@@ -161,20 +177,33 @@ class RematBackend:
         self.lenient = True
 
     def _cached(self, key: str, graph: RematGraph) -> tuple[Schedule, Plan] | None:
-        """A cached schedule for this graph, checked by the simulator (NOTE [ Plan cache ])."""
+        """A cached schedule for this graph, re-simulated and checked against the budget asked
+        for now; its plan is recomputed, never read from the file (NOTE [ Plan cache ])."""
         if self.cache is None:
             return None
         found = self.cache.get(key)
         if found is None:
             return None
-        schedule, plan = found
+        schedule, stored = found
         try:
-            simulate(graph, schedule)
+            sim = simulate(graph, schedule)
         except (ScheduleError, IndexError) as exc:
-            log.warning("ignoring a cached plan that does not fit this graph: %s", exc)
+            warnings.warn(f"remat: ignoring a cached plan that does not fit this graph: {exc}",
+                          stacklevel=2)
             return None
-        return schedule, dataclasses.replace(plan, cache_hit=True, solve_time_s=0.0)
-
+        baseline = simulate(graph, save_all_schedule(graph))
+        budget_bytes = self.budget.resolve(baseline.peak_bytes)
+        lowest_is_fine = self.lenient and stored.status == "over_budget"
+        if sim.peak_bytes > budget_bytes * (1 + _CACHE_TOLERANCE) and not lowest_is_fine:
+            warnings.warn(
+                f"remat: ignoring a cached plan that peaks at {format_bytes(sim.peak_bytes)}, "
+                f"over the budget {self.budget} = {format_bytes(budget_bytes)}; solving again",
+                stacklevel=2)
+            return None
+        plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes,
+                        solver=str(stored.solver), status=str(stored.status),
+                        detail=str(stored.detail), cache_hit=True)
+        return schedule, plan
 
     @staticmethod
     def _primals(gm: fx.GraphModule, real_inputs: list[Any], joint: fx.GraphModule

@@ -1,6 +1,8 @@
 """Exceptions raised by :mod:`remat`, and the internal-invariant helper."""
 from __future__ import annotations
 
+import math
+
 from .budget import format_bytes
 
 __all__ = [
@@ -40,10 +42,12 @@ class InfeasibleBudgetError(RematError):
 
     Attributes:
         budget_bytes: The budget asked for, in bytes.
-        lower_bound_bytes: The lowest activation peak any schedule can reach (the peak that
-            remains when everything that can be recomputed is recomputed).
+        lower_bound_bytes: A proven bound: no schedule can peak lower (it need not be reachable).
         baseline_bytes: The peak of the unmodified (save-everything) step.
         solver: Name of the solver that gave up.
+        best_bytes: The lowest peak of a schedule actually found (reachable), or ``None``.
+        advised_budget: A budget that works, as the user would write it (``"44%"``), or
+            ``None`` when nothing below the unmodified step exists.
     """
 
     def __init__(
@@ -53,29 +57,32 @@ class InfeasibleBudgetError(RematError):
         lower_bound_bytes: int,
         baseline_bytes: int,
         solver: str,
+        best_bytes: int | None = None,
         detail: str = "",
     ) -> None:
         self.budget_bytes = budget_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.baseline_bytes = baseline_bytes
         self.solver = solver
-        pct = 100.0 * lower_bound_bytes / max(baseline_bytes, 1)
-        if budget_bytes < lower_bound_bytes:
-            message = (
-                f"budget {format_bytes(budget_bytes)} is below the lowest activation peak any "
-                f"schedule can reach, {format_bytes(lower_bound_bytes)} ({pct:.0f}% of the "
-                f"unmodified step's {format_bytes(baseline_bytes)}). Raise the budget to at least "
-                f'"{int(pct) + 1}%", or shrink the batch.'
-            )
+        self.best_bytes = best_bytes
+        base = max(baseline_bytes, 1)
+        bound = (f"no schedule can go below {format_bytes(lower_bound_bytes)} "
+                 f"({100 * lower_bound_bytes / base:.0f}% of the unmodified step's "
+                 f"{format_bytes(baseline_bytes)}; a proven bound, not always reachable)")
+        if best_bytes is not None and best_bytes < baseline_bytes:
+            pct = min(100, math.ceil(100 * best_bytes / base))
+            self.advised_budget: str | None = f"{pct}%"
+            advice = (f"the lowest peak reached is {format_bytes(best_bytes)}: raise the budget "
+                      f'to "{pct}%" (or {best_bytes} bytes), or shrink the batch')
         else:
-            message = (
-                f"solver {solver!r} found no schedule within the budget "
-                f"{format_bytes(budget_bytes)} (the unmodified step peaks at "
-                f"{format_bytes(baseline_bytes)}; no schedule can go below "
-                f"{format_bytes(lower_bound_bytes)}). Try another solver "
-                f"({', '.join(repr(s) for s in ('hierarchical', 'ilp', 'dp') if s != solver)}), a "
-                "longer time_limit, or a higher budget."
-            )
+            self.advised_budget = None
+            advice = ("the lowest peak found is the unmodified step's: remat cannot save memory "
+                      'on this model at this size; use budget="100%" or shrink the batch')
+        if budget_bytes < lower_bound_bytes:
+            message = f"budget {format_bytes(budget_bytes)} is below what any schedule can reach: {bound}; {advice}."
+        else:
+            message = (f"solver {solver!r} found no schedule within the budget "
+                       f"{format_bytes(budget_bytes)} ({bound}); {advice}.")
         if detail:
             message += f" {detail}"
         super().__init__(message + " " + _DEBUG_TIP)

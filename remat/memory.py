@@ -56,7 +56,9 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
         A :class:`MemoryTracker` whose ``peak_bytes`` / ``end_bytes`` are set on exit.
 
     Raises:
-        RuntimeError: on CPU, when a ``torch.profiler`` session is already active.
+        RuntimeError: on CPU, when a ``torch.profiler`` session is already active, or when one
+            started inside the block ended the measuring session (the result would be 0).
+            A ``remat`` capture inside the block is fine (it does not start a profiler then).
 
     Example:
         >>> with track_memory() as mem:
@@ -96,8 +98,17 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
     try:
         yield tracker
     finally:
-        prof.__exit__(None, None, None)
-        events = _cpu_allocation_events(prof)
+        still_ours = torch._C._autograd._profiler_enabled()
+        if still_ours:
+            prof.__exit__(None, None, None)
+        events = _cpu_allocation_events(prof) if still_ours else []
+        if not still_ours:
+            # Never a silent 0: someone ended our session (a profiler started and stopped
+            # inside the block), so the allocations are unknown.
+            raise RuntimeError(
+                "track_memory(): another torch.profiler session was started and stopped inside "
+                "the block, which ended the one measuring memory, so nothing was recorded. "
+                "Start other profilers outside track_memory(), or measure on CUDA.")
         live: dict[int, int] = {}
         current = peak = 0
         for _, ptr, size in events:

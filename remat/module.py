@@ -76,6 +76,9 @@ def _preserve_state(module: nn.Module) -> Iterator[None]:
                     buf.copy_(snapshot)
 
 
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "guardondatadependentsymnode")
+
+
 def _capture_error(exc: BaseException) -> RematError:
     """Turn a dynamo failure into a :class:`CaptureError` that says what to do."""
     import torch._dynamo.exc as dynamo_exc
@@ -86,18 +89,21 @@ def _capture_error(exc: BaseException) -> RematError:
     cause = inner if inner is not None else exc
     text = [line for line in str(cause).strip().splitlines() if line.strip()]
     first = text[0] if text else ""
+    lowered = f"{type(cause).__name__} {cause}".lower()
+    workaround = ("or use torch.compile(model, backend=remat.backend(...)), which rematerializes "
+                  "each graph dynamo captures between the breaks (code dynamo cannot trace, such "
+                  "as nn.LSTM's fused kernel, stays eager and is not rematerialized)")
+    if any(k in lowered for k in _DATA_DEPENDENT):
+        return CaptureError(
+            f"cannot capture the model as one graph: control flow or shapes depend on tensor "
+            f"values ({first}). Fix: make them independent of tensor values (or move that code "
+            f"outside the module, e.g. a mixture-of-experts router's top-k dispatch), "
+            f"{workaround}.", reason="data_dependent")
     if isinstance(exc, dynamo_exc.Unsupported):
-        lowered = str(exc).lower()
-        reason = "data_dependent" if "data-dependent" in lowered or "data dependent" in lowered \
-            else "graph_break"
-        tip = ("make the control flow independent of tensor values (or move it outside the "
-               "module), or use torch.compile(model, backend=remat.backend(...)) which "
-               "rematerializes each graph between breaks") if reason == "data_dependent" else (
-            "remove the graph break (see the message above; `torch._dynamo.explain(model)(*args)` "
-            "lists all of them), or use torch.compile(model, backend=remat.backend(...)) which "
-            "rematerializes each graph between breaks")
-        return CaptureError(f"cannot capture the model as one graph: {first}. Fix: {tip}.",
-                            reason=reason)
+        return CaptureError(
+            f"cannot capture the model as one graph: {first}. Fix: remove this graph break "
+            f"(`torch._dynamo.explain(model)(*args)` lists all of them), {workaround}.",
+            reason="graph_break")
     return CaptureError(f"cannot capture the model: {type(cause).__name__}: {first}. If the model "
                         "runs eagerly, please report it.", reason="other")
 

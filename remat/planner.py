@@ -10,10 +10,11 @@ from .errors import InfeasibleBudgetError, internal_assert
 from .graph import RematGraph
 from .liveness import peak_lower_bound
 from .plan import Plan
-from .schedule import Schedule, save_all_schedule, simulate
+from .schedule import (Schedule, on_demand_schedule, remake_views, save_all_schedule, simulate,
+                       tidy)
 from .solvers import Problem, get_solver
 
-__all__ = ["plan_graph"]
+__all__ = ["describe", "plan_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,39 @@ def _lowest(graph: RematGraph, result):
     if result.schedule is None or sim.peak_bytes <= result.simulation.peak_bytes:
         return replace(result, schedule=everything, simulation=sim, status="over_budget")
     return replace(result, status="over_budget")
+
+
+def _least_memory(graph: RematGraph):
+    """The schedule that recomputes every value right before each read (keeping none), and
+    its simulation: slow, but a real schedule near the lowest peak."""
+    schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, frozenset(),
+                                                                  keep_recomputed=False)))
+    return schedule, simulate(graph, schedule)
+
+
+def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_bytes: int,
+             solver: str, status: str, solve_time_s: float = 0.0,
+             lower_bound_bytes: int | None = None, detail: str = "",
+             cache_hit: bool = False) -> Plan:
+    """The :class:`Plan` of ``schedule`` on ``graph``: every number from the simulations given."""
+    base_time = baseline.time or 1e-12
+    return Plan(
+        baseline_bytes=baseline.peak_bytes,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_overhead=max(0.0, (sim.time - baseline.time) / base_time),
+        solver=solver,
+        status=status,
+        solve_time_s=solve_time_s,
+        lower_bound_bytes=peak_lower_bound(graph) if lower_bound_bytes is None
+        else lower_bound_bytes,
+        baseline_time_s=baseline.time,
+        saved_bytes=sim.saved_bytes,
+        num_ops=len(graph.ops),
+        num_recomputed=schedule.recompute_count(graph),
+        cache_hit=cache_hit,
+        detail=detail,
+    )
 
 
 def plan_graph(
@@ -57,7 +91,8 @@ def plan_graph(
     lower = peak_lower_bound(graph)
     if budget_bytes < lower and over_budget == "raise":
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, lower_bound_bytes=lower,
-                                    baseline_bytes=baseline.peak_bytes, solver=solver)
+                                    baseline_bytes=baseline.peak_bytes, solver=solver,
+                                    best_bytes=_least_memory(graph)[1].peak_bytes)
     if budget_bytes >= baseline.peak_bytes:
         # Nothing to save: the unmodified step already fits.
         schedule, sim, status, name, detail = save_all_schedule(graph), baseline, "optimal", solver, \
@@ -70,6 +105,17 @@ def plan_graph(
         except Exception:
             log.debug("graph that made solver %r fail: %s", solver, graph.summary())
             raise
+        if result.status == "infeasible" or result.schedule is None:
+            # NOTE [ Advice that can be followed ]: the least-memory schedule (recompute every
+            # value right before it is read) is a real schedule; when it fits, it is the answer,
+            # so a budget advised from its peak always works.
+            fallback, fallback_sim = _least_memory(graph)
+            if fallback_sim.peak_bytes <= budget_bytes:
+                from dataclasses import replace
+
+                result = replace(result, schedule=fallback, simulation=fallback_sim,
+                                 status="feasible", detail=(result.detail + "; " if result.detail
+                                                            else "") + "least-memory fallback")
         if (result.status == "infeasible" or result.schedule is None) and over_budget != "raise":
             result = _lowest(graph, result)
             warnings.warn(
@@ -79,32 +125,21 @@ def plan_graph(
                 stacklevel=2,
             )
         elif result.status == "infeasible" or result.schedule is None:
-            best = result.simulation.peak_bytes if result.simulation else lower
+            best = _least_memory(graph)[1].peak_bytes
+            if result.schedule is not None and result.simulation is not None:
+                best = min(best, result.simulation.peak_bytes)
             raise InfeasibleBudgetError(
                 budget_bytes=budget_bytes, lower_bound_bytes=lower,
-                baseline_bytes=baseline.peak_bytes, solver=solver,
-                detail=f"Its best schedule peaks at {format_bytes(best)} ({result.detail}).",
+                baseline_bytes=baseline.peak_bytes, solver=solver, best_bytes=best,
+                detail=f"({result.detail})" if result.detail else "",
             )
         schedule, sim, status, name, detail = (result.schedule, result.simulation, result.status,
                                                result.solver, result.detail)
         solve_time = result.solve_time_s
     internal_assert(sim.peak_bytes <= budget_bytes or status == "over_budget",
                     "solver returned a schedule over budget")
-    base_time = baseline.time or 1e-12
-    plan = Plan(
-        baseline_bytes=baseline.peak_bytes,
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_overhead=max(0.0, (sim.time - baseline.time) / base_time),
-        solver=name,
-        status=status,
-        solve_time_s=solve_time,
-        lower_bound_bytes=lower,
-        baseline_time_s=baseline.time,
-        saved_bytes=sim.saved_bytes,
-        num_ops=len(graph.ops),
-        num_recomputed=schedule.recompute_count(graph),
-        detail=detail,
-    )
+    plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes, solver=name,
+                    status=status, solve_time_s=solve_time, lower_bound_bytes=lower,
+                    detail=detail)
     log.debug("remat plan:\n%s", plan.summary())
     return plan, schedule

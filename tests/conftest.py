@@ -26,6 +26,16 @@ def _restore_global_torch_state():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def one_thread():
+    """Two cores shared with other jobs: OpenMP spinning on 2 threads makes steps ~20x slower.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests with a reason when no CUDA device is present."""
     if torch.cuda.is_available():

@@ -38,12 +38,9 @@ TIME_LIMIT = 4.0
 
 
 @pytest.fixture(autouse=True)
-def _isolated():
+def _isolated(one_thread):
     """One thread (shared 2-core machine) and a fresh Accelerate singleton state per test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 

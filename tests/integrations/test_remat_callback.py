@@ -34,13 +34,7 @@ TIME_LIMIT = 4.0
 MEASURED_RATIO_MAX = 0.7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two cores shared with other jobs: OpenMP spinning on 2 threads makes steps ~20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 class Net(nn.Module):

@@ -22,12 +22,7 @@ from integrations.lightning import HiRemateCallback  # noqa: E402
 VOCAB, MAX_LEN = 96, 256
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 class LitGPT(pl.LightningModule):

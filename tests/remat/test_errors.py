@@ -37,13 +37,38 @@ def test_capture_error_names_reason_and_workaround(model, reason):
     assert "remat.backend" in str(info.value)  # the workaround is named
 
 
-def test_infeasible_budget_gives_the_lowest_possible_peak():
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+def _deep_mlp():
+    return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64),
+                                                                 torch.nn.Tanh())]), (256, 64)
+
+
+def _wide_mlp():
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 32)), (64, 32)
+
+
+@pytest.mark.parametrize("build", [_deep_mlp, _wide_mlp], ids=["deep", "wide"])
+def test_infeasible_budget_advice_can_be_followed(build):
+    torch.manual_seed(0)
+    model, shape = build()
+    x = torch.randn(*shape)
+    with pytest.raises(remat.InfeasibleBudgetError) as info:
+        remat.rematerialize(model, x, budget="1%", time_limit=5)
+    err = info.value
+    # Two numbers: the proven bound, and the lowest peak actually reached (advised).
+    assert err.budget_bytes < err.lower_bound_bytes <= err.best_bytes < err.baseline_bytes
+    assert f'raise the budget to "{err.advised_budget}"' in str(err)
+    rm = remat.rematerialize(model, x, budget=err.advised_budget, time_limit=5)
+    assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes < rm.plan.baseline_bytes
+
+
+def test_infeasible_budget_says_when_nothing_below_the_baseline_was_found():
+    model = torch.nn.Linear(32, 32)  # nothing to recompute: every schedule is the baseline
     with pytest.raises(remat.InfeasibleBudgetError) as info:
         remat.rematerialize(model, torch.randn(64, 32), budget="1%")
     err = info.value
-    assert err.budget_bytes < err.lower_bound_bytes < err.baseline_bytes
-    assert "Raise the budget to at least" in str(err)
+    assert err.advised_budget is None and "101%" not in str(err)
+    assert 'use budget="100%"' in str(err)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +97,33 @@ def test_nothing_requires_grad():
     with pytest.raises(remat.CaptureError, match="no parameter or input") as info:
         remat.rematerialize(model, torch.randn(2, 4))
     assert info.value.reason == "no_grad"
+
+
+def test_a_solver_crash_is_a_solver_error_not_a_capture_error(monkeypatch):
+    import remat.planner
+
+    class Crashing:
+        def solve(self, problem):
+            raise KeyError("kSolutionLimit")
+
+    monkeypatch.setattr(remat.planner, "get_solver", lambda name: Crashing())
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64),
+                                                                  torch.nn.Tanh())])
+    with pytest.raises(remat.SolverError) as info:
+        remat.rematerialize(model, torch.randn(256, 64), budget="80%")
+    assert not isinstance(info.value, remat.CaptureError)
+    assert "KeyError" in str(info.value) and "solver='dp'" in str(info.value)
+    assert "If the model runs eagerly" not in str(info.value)
+
+
+def test_a_data_dependent_user_error_is_classed_data_dependent():
+    # What dynamo raised on Mixtral's expert routing (a UserError, not an Unsupported).
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    from remat.module import _capture_error
+
+    exc = UserError(UserErrorType.CONSTRAINT_VIOLATION,
+                    "Could not guard on data-dependent expression Eq(u0, 1) (unhinted: Eq(u0, 1))")
+    error = _capture_error(exc)
+    assert isinstance(error, remat.CaptureError) and error.reason == "data_dependent"
+    assert "remat.backend" in str(error) and "please report" not in str(error)

@@ -1,4 +1,5 @@
 """remat.track_memory measures exactly what is allocated inside it, on CPU."""
+import pytest
 import torch
 
 import remat
@@ -46,3 +47,23 @@ def test_refuses_to_nest_inside_another_profiler():
         with pytest.raises(RuntimeError, match="already running"):
             with remat.track_memory():
                 pass
+
+
+def test_a_capture_inside_track_memory_is_measured_not_zero():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64),
+                                                                  torch.nn.Tanh())])
+    x = torch.randn(512, 64)
+    with remat.track_memory() as mem:
+        rm = remat.rematerialize(model, x, budget="90%", solver="dp", time_limit=5)
+        rm(x).sum().backward()
+    # At least the step's own activations (four 512x64 float outputs) were seen.
+    assert mem.peak_bytes >= 4 * 512 * 64 * 4
+
+
+def test_a_profiler_ended_inside_track_memory_raises_instead_of_reading_zero():
+    with pytest.raises(RuntimeError, match="nothing was recorded"):
+        with remat.track_memory():
+            torch.ones(1024)
+            with torch.profiler.profile():
+                torch.ones(1024)

@@ -26,12 +26,7 @@ TIME_LIMIT = 10.0
 MIN_LEN, MAX_LEN, MAX_BATCH = 32, 512, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny_gpt2(seed: int = 0) -> nn.Module:

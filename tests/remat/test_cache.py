@@ -1,0 +1,119 @@
+"""PlanCache faults: nothing in a cache file is trusted, and a bad cache never stops a run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(32, 32), nn.Tanh())]
+    return nn.Sequential(*layers, nn.Linear(32, 4)), torch.randn(256, 32)
+
+
+def solve(budget, cache) -> remat.RematModule:
+    model, x = mlp()
+    return remat.rematerialize(model, x, budget=budget, solver="dp", time_limit=5, cache=cache)
+
+
+def only_file(directory: Path) -> Path:
+    files = list(directory.glob("*.json"))
+    assert len(files) == 1
+    return files[0]
+
+
+def test_an_entry_solved_for_another_budget_is_refused(tmp_path):
+    loose, tight = tmp_path / "loose", tmp_path / "tight"
+    solve("90%", str(loose))
+    first = solve("60%", str(tight))
+    # Someone copies the 90% plan over the 60% one (or edits its budget): it must not be used.
+    only_file(tight).write_text(only_file(loose).read_text())
+    with pytest.warns(UserWarning, match="over the budget"):
+        again = solve("60%", remat.PlanCache(tight))
+    assert not again.plan.cache_hit
+    assert again.plan.predicted_peak_bytes <= again.plan.budget_bytes == first.plan.budget_bytes
+
+
+def test_edited_numbers_are_recomputed_not_trusted(tmp_path):
+    first = solve("60%", str(tmp_path))
+    path = only_file(tmp_path)
+    entry = json.loads(path.read_text())
+    entry["plan"].update(predicted_peak_bytes=1, baseline_bytes=2, num_recomputed=-5)
+    path.write_text(json.dumps(entry))
+    again = solve("60%", remat.PlanCache(tmp_path))
+    assert again.plan.cache_hit
+    assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
+    assert again.plan.baseline_bytes == first.plan.baseline_bytes
+    assert again.plan.num_recomputed == first.plan.num_recomputed
+
+
+@pytest.mark.parametrize("content", ["[]", '{"version": 1, "forward": "x"}', "{not json"],
+                         ids=["list", "wrong-fields", "not-json"])
+def test_a_malformed_file_is_ignored_with_a_warning(tmp_path, content):
+    first = solve("60%", str(tmp_path))
+    only_file(tmp_path).write_text(content)
+    with pytest.warns(UserWarning, match="ignoring"):
+        again = solve("60%", remat.PlanCache(tmp_path))
+    assert not again.plan.cache_hit
+    assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
+
+
+def test_a_directory_that_cannot_be_made_warns_and_the_run_goes_on(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="cannot write the plan cache"):
+        rm = solve("60%", str(blocker / "cache"))
+    assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
+
+
+def test_a_failing_write_warns_and_the_run_goes_on(tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    with pytest.warns(UserWarning, match="cannot write the plan cache"):
+        rm = solve("60%", str(tmp_path))
+    assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
+    assert list(tmp_path.iterdir()) == []
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from remat import PlanCache, Plan
+    from remat.schedule import Schedule
+    cache = PlanCache(sys.argv[1])
+    tag = int(sys.argv[2])
+    for k in range(300):
+        plan = Plan(baseline_bytes=k, budget_bytes=k, predicted_peak_bytes=k,
+                    predicted_overhead=0.0, solver="dp", status="optimal", solve_time_s=0.0)
+        cache.put("k" * 32, Schedule((tag, k), frozenset({k}), (k,)), plan)
+""")
+
+
+def test_two_processes_writing_one_key_never_collide(tmp_path):
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(tag)],
+                                cwd=REPO, stderr=subprocess.PIPE, text=True) for tag in (1, 2)]
+    reads = 0
+    while any(w.poll() is None for w in writers):
+        path = tmp_path / ("k" * 32 + ".json")
+        if path.exists():
+            entry = json.loads(path.read_text())  # never empty, never half a file
+            assert entry["forward"][0] in (1, 2)
+            reads += 1
+    for w in writers:
+        assert w.wait() == 0, w.stderr.read()
+    assert list(tmp_path.glob("*.tmp")) == []
+    assert remat.PlanCache(tmp_path).get("k" * 32) is not None
