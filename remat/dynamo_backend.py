@@ -151,11 +151,17 @@ class RematBackend:
             times = model_op_times(lowered)
         graph = lowered.graph.with_times(times, workspaces)
         hit = self._cached(cache_key, graph)
+        budget = self.budget
+        run_bytes = self.shapes.run_budget_bytes() if self.lenient else None
+        if run_bytes is not None and budget.fraction is not None:
+            # Another specialisation of the same module (a size of 1): the run's budget, not a
+            # share of its own smaller peak (NOTE [ Budgets over many sizes ]).
+            budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
         if hit is not None:
             schedule, plan = hit
         else:
             try:
-                plan, schedule = plan_graph(graph, self.budget, solver=self.solver,
+                plan, schedule = plan_graph(graph, budget, solver=self.solver,
                                             time_limit=self.time_limit, options=self.options,
                                             over_budget="lowest" if self.lenient else "raise")
             except RematError:

@@ -274,6 +274,16 @@ class ShapePlans:
         family.max_baseline = max(family.max_baseline, self.baseline_at(family, sizes))
         return max(family.budget_bytes, self.budget.resolve(family.max_baseline))
 
+    def run_budget_bytes(self) -> int | None:
+        """The budget in bytes the run has reached so far (``None`` before the first graph):
+        for a new specialisation of the same module (NOTE [ Budgets over many sizes ])."""
+        if self.budget.bytes is not None:
+            return self.budget.bytes
+        if not self.families:
+            return None
+        return max(max(f.budget_bytes, self.budget.resolve(f.max_baseline))
+                   for f in self.families.values())
+
     def choose(self, key: str, sizes: Sequence[int]) -> Choice:
         """The schedule for a batch of ``sizes`` (solving one if needed)."""
         sizes = tuple(int(s) for s in sizes)
@@ -314,6 +324,8 @@ class ShapePlans:
                 # A fraction solves the bucket for the same share of its own peak.
                 target_bytes = budget_bytes if self.budget.bytes is not None or target == sizes \
                     else max(budget_bytes, self.budget.resolve(self.baseline_at(family, target)))
+                # Solved with the re-pricing headroom, so that it fits where it is re-priced.
+                target_bytes = int(target_bytes / (1 + _REPRICE_HEADROOM))
                 if peak_lower_bound(at) > target_bytes:
                     continue
                 budget = Budget(bytes=target_bytes, text=format_bytes(target_bytes))
