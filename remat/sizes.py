@@ -12,8 +12,9 @@ and for a batch of new sizes:
    expressions; each op's time scaled from the profiled one by the bytes it touches), plus the
    unmodified step, and runs the fastest that fits the byte budget;
 2. solves again only when none fits but some schedule could (the sizes' lower bound is under the
-   budget), and then for the sizes' *bucket* (every size rounded up to a power of two), so that
-   one solve serves every smaller batch of the bucket and a run sees O(log(max/min)) solves;
+   budget), and then for the sizes' *bucket* (every size rounded up to a power of two) widened to
+   every bucket solved for before, so that one solve serves every smaller batch seen or to come
+   and a run sees O(log(max/min)) solves;
 3. when no schedule can fit (the lower bound itself is over the budget), runs the lowest-peak
    schedule it has and says so once, with the numbers.
 
@@ -165,6 +166,11 @@ class Family:
     input_dims: tuple[tuple[int, int] | None, ...] = ()  # per symbol: (input leaf, dimension)
     entries: list[int] = field(default_factory=list)  # indices into ShapePlans.entries
     solved_at: set[tuple[int, ...]] = field(default_factory=set)
+    envelope: tuple[int, ...] = ()  # componentwise max of the sizes solved for
+
+    def __post_init__(self) -> None:
+        if not self.envelope:
+            self.envelope = tuple(self.sized.sizes)
 
     def sizes_of(self, leaves: Sequence[object]) -> tuple[int, ...] | None:
         """The symbol values of a call whose flattened inputs are ``leaves`` (``None`` when a
@@ -316,7 +322,9 @@ class ShapePlans:
         graph = family.sized.at(sizes)
         lower = peak_lower_bound(graph)
         if lower <= budget_bytes:
-            top = tuple(max(b, s) for b, s in zip(bucket(sizes), sizes))
+            # The bucket, widened to every bucket solved for before (the envelope): each solve
+            # then covers all sizes seen so far, and solves grow the envelope by powers of two.
+            top = tuple(max(b, s, e) for b, s, e in zip(bucket(sizes), sizes, family.envelope))
             for target in dict.fromkeys((top, sizes)):  # the bucket first, then these sizes
                 if target in family.solved_at:
                     continue
@@ -337,6 +345,7 @@ class ShapePlans:
                     family.solved_at.add(target)
                     continue
                 family.solved_at.add(target)
+                family.envelope = tuple(max(e, t) for e, t in zip(family.envelope, target))
                 where = self.describe(family, target)
                 plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
                                f"solved for sizes {where}")
