@@ -39,15 +39,19 @@ log = logging.getLogger(__name__)
 _VERSION = 1
 
 
-def graph_key(graph: RematGraph, budget: Budget, solver: str, options: dict | None = None) -> str:
-    """A stable hash of ``graph``'s structure and the solve settings (see NOTE [ Plan cache ])."""
+def graph_key(graph: RematGraph, budget: Budget, solver: str, options: dict | None = None, *,
+              structure: str | None = None) -> str:
+    """A stable hash of ``graph``'s structure and the solve settings (see NOTE [ Plan cache ]).
+
+    ``structure`` is ``remat.sizes.structure_key(graph)[0]`` when the caller has it already.
+    """
     from .sizes import structure_key
 
     h = hashlib.sha256()
     h.update(f"v{_VERSION}|{budget.fraction}|{budget.bytes}|{solver}|{sorted((options or {}).items())}".encode())
     # The structure with size symbols renamed canonically (captures name them independently),
     # and the bytes at the captured sizes.
-    h.update(structure_key(graph)[0].encode())
+    h.update((structure or structure_key(graph)[0]).encode())
     h.update(str([v.nbytes for v in graph.values]).encode())
     return h.hexdigest()[:32]
 

@@ -10,7 +10,6 @@ semantics are PyTorch's.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import warnings
@@ -140,7 +139,8 @@ class RematBackend:
 
     def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims) -> int:
         """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
-        cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options)
+        cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options,
+                              structure=key)
         # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
         # cached schedule against the budget) need the measured scratch memory.
         primals = self._primals(gm, real_inputs, joint)
@@ -150,13 +150,13 @@ class RematBackend:
         else:
             times = model_op_times(lowered)
         graph = lowered.graph.with_times(times, workspaces)
-        hit = self._cached(cache_key, graph)
         budget = self.budget
         run_bytes = self.shapes.run_budget_bytes() if self.lenient else None
         if run_bytes is not None and budget.fraction is not None:
             # Another specialisation of the same module (a size of 1): the run's budget, not a
             # share of its own smaller peak (NOTE [ Budgets over many sizes ]).
             budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
+        hit = self._cached(cache_key, graph, budget)
         if hit is not None:
             schedule, plan = hit
         else:
@@ -182,7 +182,8 @@ class RematBackend:
         lowest-peak schedule (with a warning) instead of raising in the middle of training."""
         self.lenient = True
 
-    def _cached(self, key: str, graph: RematGraph) -> tuple[Schedule, Plan] | None:
+    def _cached(self, key: str, graph: RematGraph, budget: Budget
+                ) -> tuple[Schedule, Plan] | None:
         """A cached schedule for this graph, re-simulated and checked against the budget asked
         for now; its plan is recomputed, never read from the file (NOTE [ Plan cache ])."""
         if self.cache is None:
@@ -198,12 +199,12 @@ class RematBackend:
                           stacklevel=2)
             return None
         baseline = simulate(graph, save_all_schedule(graph))
-        budget_bytes = self.budget.resolve(baseline.peak_bytes)
+        budget_bytes = budget.resolve(baseline.peak_bytes)
         lowest_is_fine = self.lenient and stored.status == "over_budget"
         if sim.peak_bytes > budget_bytes * (1 + _CACHE_TOLERANCE) and not lowest_is_fine:
             warnings.warn(
                 f"remat: ignoring a cached plan that peaks at {format_bytes(sim.peak_bytes)}, "
-                f"over the budget {self.budget} = {format_bytes(budget_bytes)}; solving again",
+                f"over the budget {budget} = {format_bytes(budget_bytes)}; solving again",
                 stacklevel=2)
             return None
         plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes,

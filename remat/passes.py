@@ -84,8 +84,12 @@ def split_dropout(joint: fx.GraphModule) -> int:
     return rewritten
 
 
-def _size_node(graph: fx.Graph, expr, bound: dict, made: dict, anchor: fx.Node):
-    """An fx node (or int) computing ``expr`` from the size placeholders, or ``None``."""
+def _size_node(graph: fx.Graph, expr, bound: dict, made: dict, cursor: list[fx.Node]):
+    """An fx node (or int) computing ``expr`` from the size placeholders, or ``None``.
+
+    New nodes go right after ``cursor[0]`` (which then moves to them), so every node is placed
+    after the ones it reads.
+    """
     import sympy
 
     if expr in made:
@@ -95,9 +99,9 @@ def _size_node(graph: fx.Graph, expr, bound: dict, made: dict, anchor: fx.Node):
     if expr.is_Symbol:
         return bound.get(expr)
     if isinstance(expr, (sympy.Mul, sympy.Add)):
-        parts = [_size_node(graph, a, bound, made, anchor) for a in expr.args]
+        parts = [_size_node(graph, a, bound, made, cursor) for a in expr.args]
     elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and int(expr.exp) > 0:
-        parts = [_size_node(graph, expr.base, bound, made, anchor)] * int(expr.exp)
+        parts = [_size_node(graph, expr.base, bound, made, cursor)] * int(expr.exp)
         expr = sympy.Mul(*([expr.base] * int(expr.exp)), evaluate=False)
     else:
         return None
@@ -106,11 +110,11 @@ def _size_node(graph: fx.Graph, expr, bound: dict, made: dict, anchor: fx.Node):
     combine = operator.mul if isinstance(expr, (sympy.Mul, sympy.Pow)) else operator.add
     node = parts[0]
     for part in parts[1:]:
-        with graph.inserting_after(anchor):
+        with graph.inserting_after(cursor[0]):
             new = graph.call_function(combine, (node, part))
         new.meta["val"] = combine(node.meta["val"] if isinstance(node, fx.Node) else node,
                                   part.meta["val"] if isinstance(part, fx.Node) else part)
-        anchor = node = new
+        cursor[0] = node = new
     made[expr] = node
     return node
 
@@ -139,23 +143,20 @@ def bind_sizes(joint: fx.GraphModule) -> int:
     if not bound:
         return 0
     made: dict = {}
-    anchor = placeholders[-1]
+    made_nodes: set[fx.Node] = set()
+    cursor = [placeholders[-1]]
     rewritten = 0
     for node in list(graph.nodes):
         val = node.meta.get("val")
         if node.op != "call_function" or not isinstance(val, torch.SymInt) or not node.users:
             continue
-        if all(isinstance(a, fx.Node) and a.op == "placeholder" or a in made.values()
-               for a in node.all_input_nodes):
+        if all(a.op == "placeholder" or a in made_nodes for a in node.all_input_nodes):
             continue  # already arithmetic on size inputs
         expr = val.node.expr
         if expr.is_number or not expr.free_symbols <= set(bound):
             continue
-        before = len(graph.nodes)
-        source = _size_node(graph, expr, bound, made, anchor)
-        if len(graph.nodes) != before:
-            anchor = max((n for n in made.values() if isinstance(n, fx.Node)),
-                         key=lambda n: _position(graph, n))
+        source = _size_node(graph, expr, bound, made, cursor)
+        made_nodes = {n for n in made.values() if isinstance(n, fx.Node)}
         if source is None:
             continue
         node.replace_all_uses_with(source)
@@ -166,9 +167,3 @@ def bind_sizes(joint: fx.GraphModule) -> int:
         joint.recompile()
     return rewritten
 
-
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for k, n in enumerate(graph.nodes):
-        if n is node:
-            return k
-    return -1

@@ -14,7 +14,7 @@ from .schedule import (Schedule, on_demand_schedule, remake_views, save_all_sche
                        tidy)
 from .solvers import Problem, get_solver
 
-__all__ = ["describe", "plan_graph"]
+__all__ = ["describe", "least_memory_schedule", "plan_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def _lowest(graph: RematGraph, result):
     return replace(result, status="over_budget")
 
 
-def _least_memory(graph: RematGraph):
+def least_memory_schedule(graph: RematGraph):
     """The schedule that recomputes every value right before each read (keeping none), and
     its simulation: slow, but a real schedule near the lowest peak."""
     schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, frozenset(),
@@ -92,7 +92,7 @@ def plan_graph(
     if budget_bytes < lower and over_budget == "raise":
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, lower_bound_bytes=lower,
                                     baseline_bytes=baseline.peak_bytes, solver=solver,
-                                    best_bytes=_least_memory(graph)[1].peak_bytes)
+                                    best_bytes=least_memory_schedule(graph)[1].peak_bytes)
     if budget_bytes >= baseline.peak_bytes:
         # Nothing to save: the unmodified step already fits.
         schedule, sim, status, name, detail = save_all_schedule(graph), baseline, "optimal", solver, \
@@ -105,11 +105,12 @@ def plan_graph(
         except Exception:
             log.debug("graph that made solver %r fail: %s", solver, graph.summary())
             raise
+        fallback_sim = None
         if result.status == "infeasible" or result.schedule is None:
             # NOTE [ Advice that can be followed ]: the least-memory schedule (recompute every
             # value right before it is read) is a real schedule; when it fits, it is the answer,
             # so a budget advised from its peak always works.
-            fallback, fallback_sim = _least_memory(graph)
+            fallback, fallback_sim = least_memory_schedule(graph)
             if fallback_sim.peak_bytes <= budget_bytes:
                 from dataclasses import replace
 
@@ -125,7 +126,7 @@ def plan_graph(
                 stacklevel=2,
             )
         elif result.status == "infeasible" or result.schedule is None:
-            best = _least_memory(graph)[1].peak_bytes
+            best = fallback_sim.peak_bytes
             if result.schedule is not None and result.simulation is not None:
                 best = min(best, result.simulation.peak_bytes)
             raise InfeasibleBudgetError(

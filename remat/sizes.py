@@ -35,7 +35,7 @@ from .errors import InfeasibleBudgetError
 from .graph import RematGraph
 from .liveness import peak_lower_bound
 from .plan import Plan
-from .schedule import Schedule, Simulation, on_demand_schedule, save_all_schedule, simulate
+from .schedule import Schedule, Simulation, save_all_schedule, simulate
 from .symbolic import free_symbol_names
 
 __all__ = ["Family", "ShapePlans", "SizedGraph", "structure_key"]
@@ -278,6 +278,9 @@ class ShapePlans:
         if self.budget.bytes is not None:
             return self.budget.bytes
         family.max_baseline = max(family.max_baseline, self.baseline_at(family, sizes))
+        return self._fraction_budget(family)
+
+    def _fraction_budget(self, family: Family) -> int:
         return max(family.budget_bytes, self.budget.resolve(family.max_baseline))
 
     def run_budget_bytes(self) -> int | None:
@@ -287,8 +290,7 @@ class ShapePlans:
             return self.budget.bytes
         if not self.families:
             return None
-        return max(max(f.budget_bytes, self.budget.resolve(f.max_baseline))
-                   for f in self.families.values())
+        return max(self._fraction_budget(f) for f in self.families.values())
 
     def choose(self, key: str, sizes: Sequence[int]) -> Choice:
         """The schedule for a batch of ``sizes`` (solving one if needed)."""
@@ -317,7 +319,7 @@ class ShapePlans:
 
     def _solve_for(self, family: Family, sizes: tuple[int, ...], budget_bytes: int,
                    priced: list) -> Choice:
-        from .planner import plan_graph
+        from .planner import least_memory_schedule, plan_graph
 
         graph = family.sized.at(sizes)
         lower = peak_lower_bound(graph)
@@ -357,8 +359,7 @@ class ShapePlans:
                     return Choice(entry, sizes, sim.peak_bytes, sim.time, True)
                 priced.append((sim, entry))
         # Nothing fits: the lowest peak we have, or the least-memory fallback if it is lower.
-        fallback = on_demand_schedule(graph, frozenset())  # recompute everything as needed
-        sim_fb = simulate(graph, fallback)
+        fallback, sim_fb = least_memory_schedule(graph)
         best_sim, best = min(priced, key=lambda t: (t[0].peak_bytes, t[0].time))
         if sim_fb.peak_bytes < best_sim.peak_bytes:
             best = self._add(family, fallback, None, "least memory (recompute on demand)")
