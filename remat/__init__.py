@@ -13,13 +13,13 @@ et al., MLSys 2020), Rotor (Beaumont et al., 2019).
 from __future__ import annotations
 
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend, backend
-from .budget import Budget, format_bytes, parse_budget
+from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache
 from .estimate import MemoryReport, estimate
 from .errors import CaptureError, InfeasibleBudgetError, RematError, ScheduleError, SolverError
 from .graph import Op, Phase, RematGraph, Value, ValueKind
 from .memory import MemoryTracker, track_memory
-from .module import RematModule, rematerialize
+from .module import RematModule, measure_eager_step, rematerialize
 from .plan import Plan
 from .schedule import Schedule, Simulation, simulate
 from .solvers import SOLVERS
@@ -39,6 +39,7 @@ __all__ = [
     "RematError",
     "RematGraph",
     "RematModule",
+    "Reference",
     "SOLVERS",
     "Schedule",
     "ScheduleError",
@@ -49,6 +50,7 @@ __all__ = [
     "backend",
     "estimate",
     "format_bytes",
+    "measure_eager_step",
     "parse_budget",
     "rematerialize",
     "simulate",

@@ -1,9 +1,24 @@
 """Memory budgets: what a user may write, and what it means in bytes.
 
-A budget is either a *fraction* of the activation memory the unmodified model needs
-(``"70%"``, ``0.7``) or an absolute number of *bytes* for the activation peak (``"6GiB"``,
-``"512MB"``, ``1_500_000_000``). :func:`parse_budget` turns any accepted spelling into a frozen
-:class:`Budget`; :meth:`Budget.resolve` turns it into bytes once the baseline is known.
+A budget is either a *fraction* of the memory the user's training step peaks at today
+(``"70%"``, ``0.7``) or an absolute number of *bytes* for that peak (``"6GiB"``, ``"512MB"``,
+``1_500_000_000``). :func:`parse_budget` turns any accepted spelling into a frozen
+:class:`Budget`; :meth:`Budget.resolve` turns it into the bytes a schedule may use once the
+baseline (and the :class:`Reference`, what the user measures) is known.
+
+NOTE [ A budget is what the user measures ]
+What a user sees is the peak of their eager training step: forward, loss and backward, measured
+by the allocator. The peak of our captured, unmodified step can differ from it (AOTAutograd
+materializes zero gradients for outputs nobody differentiates, the capture saves what eager
+keeps, a model that already checkpoints is captured without its recomputation), and memory
+outside the rematerialized module (a loss head, the other half of the step) is in no plan.
+So the example batch's eager step is measured: ``eager_bytes`` for the module's own step,
+``outside_bytes`` for what the rest of the step adds to it. A percentage is a percentage of
+``eager + outside`` (the whole step), a byte count bytes of that same quantity, and the bytes a
+schedule of the module may use are what is left after the outside memory. At other batch sizes
+both scale with the compiled baseline (``compiled_bytes`` is its value at the example).
+Without a reference (``torch.compile(backend=remat.backend(...))``, graphs dynamo cut) a
+fraction applies to the captured graph's own unmodified peak.
 """
 from __future__ import annotations
 
@@ -12,7 +27,7 @@ import re
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-__all__ = ["Budget", "parse_budget", "format_bytes"]
+__all__ = ["Budget", "Reference", "parse_budget", "format_bytes"]
 
 # Decimal and binary units, case-insensitive; "B" alone means bytes.
 _UNITS = {
@@ -47,16 +62,54 @@ class Budget:
     bytes: int | None = None
     text: str = ""
 
-    def resolve(self, baseline_bytes: int) -> int:
-        """Return the budget in bytes given the baseline (save-everything) activation peak."""
+    def resolve(self, baseline_bytes: int, reference: "Reference | None" = None) -> int:
+        """The bytes a schedule may peak at, given the unmodified step's simulated peak.
+
+        Without a reference a fraction is a share of ``baseline_bytes``; with one, of the
+        whole eager step's peak at these sizes, less the memory outside the module (NOTE [ A
+        budget is what the user measures ]). May be <= 0 when the outside memory alone is over
+        the budget.
+        """
+        if reference is None:
+            if self.bytes is not None:
+                return self.bytes
+            return int(math.floor(self.fraction * baseline_bytes))
+        step, outside = reference.at(baseline_bytes)
         if self.bytes is not None:
-            return self.bytes
-        return int(math.floor(self.fraction * baseline_bytes))
+            return int(self.bytes - outside)
+        return int(math.floor(self.fraction * step - outside))
 
     def __str__(self) -> str:
         if self.bytes is not None:
             return format_bytes(self.bytes)
         return f"{100 * self.fraction:g}%"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What the user measures, at the example batch (NOTE [ A budget is what the user measures ]).
+
+    Attributes:
+        eager_bytes: Measured peak of the module's eager step (forward + backward).
+        outside_bytes: Measured memory the rest of the training step adds to it (a loss head
+            outside the module); ``0`` when the module is the whole step.
+        compiled_bytes: Simulated peak of the captured, unmodified step at the same sizes.
+    """
+
+    eager_bytes: int
+    outside_bytes: int
+    compiled_bytes: int
+
+    @property
+    def step_bytes(self) -> int:
+        """Peak of the whole eager training step at the example batch."""
+        return self.eager_bytes + self.outside_bytes
+
+    def at(self, baseline_bytes: int) -> tuple[float, float]:
+        """``(whole step, outside)`` in bytes for a graph whose unmodified peak is
+        ``baseline_bytes`` (both scale with it from the example batch)."""
+        scale = baseline_bytes / max(self.compiled_bytes, 1)
+        return self.step_bytes * scale, self.outside_bytes * scale
 
 
 def _reject(value: object, why: str) -> ValueError:

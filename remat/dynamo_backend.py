@@ -18,14 +18,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .budget import Budget, format_bytes, parse_budget
+from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, graph_key
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, generate_modules
 from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
-from .passes import bind_sizes, split_dropout
+from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
 from .planner import describe, plan_graph
 from .schedule import Schedule, save_all_schedule, simulate
@@ -89,6 +89,9 @@ class RematBackend:
         self.current_leaves: list[Any] = []  # the flattened inputs of the call being compiled
         self.last_entry: int | None = None  # the schedule the latest compiled graph runs
         self.lenient = False  # after pin(): over-budget new shapes warn instead of raising
+        # (eager_bytes, outside_bytes) of the example's eager step, measured by rematerialize
+        # (NOTE [ A budget is what the user measures ]); None: fractions of the compiled step.
+        self.eager: tuple[int, int] | None = None
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -121,6 +124,7 @@ class RematBackend:
                    dims: dict[str, tuple[int, int]] | None = None, **_: Any
                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         split_dropout(joint)
+        alias_clones(joint)  # NOTE [ Copies nobody mutates ]
         bind_sizes(joint)
         lowered = lower_joint_graph(joint, num_fwd_outputs=num_fwd_outputs)
         key, symbols = structure_key(lowered.graph, lowered.size_exprs)
@@ -151,19 +155,27 @@ class RematBackend:
             times = model_op_times(lowered)
         graph = lowered.graph.with_times(times, workspaces)
         budget = self.budget
+        if not self.shapes.families and self.eager is not None:
+            # NOTE [ A budget is what the user measures ]: the example's eager step, measured
+            # by rematerialize, against the captured step's unmodified peak at the same sizes.
+            compiled = simulate(graph, save_all_schedule(graph)).peak_bytes
+            self.shapes.reference = Reference(*self.eager, compiled_bytes=compiled)
+        reference = self.shapes.reference
         run_bytes = self.shapes.run_budget_bytes() if self.lenient else None
-        if run_bytes is not None and budget.fraction is not None:
+        if run_bytes is not None:
             # Another specialisation of the same module (a size of 1): the run's budget, not a
             # share of its own smaller peak (NOTE [ Budgets over many sizes ]).
             budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
-        hit = self._cached(cache_key, graph, budget)
+            reference = None  # already the module's bytes
+        hit = self._cached(cache_key, graph, budget, reference)
         if hit is not None:
             schedule, plan = hit
         else:
             try:
                 plan, schedule = plan_graph(graph, budget, solver=self.solver,
                                             time_limit=self.time_limit, options=self.options,
-                                            over_budget="lowest" if self.lenient else "raise")
+                                            over_budget="lowest" if self.lenient else "raise",
+                                            reference=reference)
             except RematError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a solver crash is ours, not the model's
@@ -182,8 +194,8 @@ class RematBackend:
         lowest-peak schedule (with a warning) instead of raising in the middle of training."""
         self.lenient = True
 
-    def _cached(self, key: str, graph: RematGraph, budget: Budget
-                ) -> tuple[Schedule, Plan] | None:
+    def _cached(self, key: str, graph: RematGraph, budget: Budget,
+                reference: Reference | None = None) -> tuple[Schedule, Plan] | None:
         """A cached schedule for this graph, re-simulated and checked against the budget asked
         for now; its plan is recomputed, never read from the file (NOTE [ Plan cache ])."""
         if self.cache is None:
@@ -199,7 +211,7 @@ class RematBackend:
                           stacklevel=2)
             return None
         baseline = simulate(graph, save_all_schedule(graph))
-        budget_bytes = budget.resolve(baseline.peak_bytes)
+        budget_bytes = budget.resolve(baseline.peak_bytes, reference)
         lowest_is_fine = self.lenient and stored.status == "over_budget"
         if sim.peak_bytes > budget_bytes * (1 + _CACHE_TOLERANCE) and not lowest_is_fine:
             warnings.warn(
@@ -209,7 +221,7 @@ class RematBackend:
             return None
         plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes,
                         solver=str(stored.solver), status=str(stored.status),
-                        detail=str(stored.detail), cache_hit=True)
+                        detail=str(stored.detail), cache_hit=True, reference=reference)
         return schedule, plan
 
     @staticmethod

@@ -46,8 +46,8 @@ class InfeasibleBudgetError(RematError):
         baseline_bytes: The peak of the unmodified (save-everything) step.
         solver: Name of the solver that gave up.
         best_bytes: The lowest peak of a schedule actually found (reachable), or ``None``.
-        advised_budget: A budget that works, as the user would write it (``"44%"``), or
-            ``None`` when nothing below the unmodified step exists.
+        advised_budget: A budget that works, as the user would write it (``"44%"``, at most
+            ``"100%"``), or ``None`` when no schedule found is below the step's peak.
     """
 
     def __init__(
@@ -59,25 +59,40 @@ class InfeasibleBudgetError(RematError):
         solver: str,
         best_bytes: int | None = None,
         detail: str = "",
+        step_bytes: float | None = None,
+        outside_bytes: float = 0,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.lower_bound_bytes = lower_bound_bytes
         self.baseline_bytes = baseline_bytes
         self.solver = solver
         self.best_bytes = best_bytes
-        base = max(baseline_bytes, 1)
+        # Percentages are of what the user measures: the whole eager step (NOTE [ A budget is
+        # what the user measures ]); without a measurement, of the unmodified captured step.
+        measured = step_bytes is not None
+        whole = max(step_bytes if measured else baseline_bytes, 1)
+        what = "the eager step's measured" if measured else "the unmodified step's"
+
+        def percent(module_bytes: float) -> float:
+            return 100 * (module_bytes + outside_bytes) / whole
+
         bound = (f"no schedule can go below {format_bytes(lower_bound_bytes)} "
-                 f"({100 * lower_bound_bytes / base:.0f}% of the unmodified step's "
-                 f"{format_bytes(baseline_bytes)}; a proven bound, not always reachable)")
-        if best_bytes is not None and best_bytes < baseline_bytes:
-            pct = min(100, math.ceil(100 * best_bytes / base))
+                 f"({percent(lower_bound_bytes):.0f}% of {what} {format_bytes(whole)}; a proven "
+                 "bound, not always reachable)")
+        if outside_bytes:
+            bound += (f"; the step spends {format_bytes(outside_bytes)} outside the module, "
+                      "charged against the budget")
+        pct = None if best_bytes is None else math.ceil(percent(best_bytes) - 1e-9)
+        reachable = best_bytes is not None and best_bytes < baseline_bytes
+        if reachable and pct <= 100:
             self.advised_budget: str | None = f"{pct}%"
             advice = (f"the lowest peak reached is {format_bytes(best_bytes)}: raise the budget "
-                      f'to "{pct}%" (or {best_bytes} bytes), or shrink the batch')
+                      f'to "{pct}%" (or {int(best_bytes + outside_bytes)} bytes), or shrink the '
+                      "batch")
         else:
             self.advised_budget = None
-            advice = ("the lowest peak found is the unmodified step's: remat cannot save memory "
-                      'on this model at this size; use budget="100%" or shrink the batch')
+            advice = (f"no schedule found peaks below {what} peak: remat cannot save memory on "
+                      'this model at this size; use budget="100%" or shrink the batch')
         if budget_bytes < lower_bound_bytes:
             message = f"budget {format_bytes(budget_bytes)} is below what any schedule can reach: {bound}; {advice}."
         else:

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import warnings
 import weakref
 from typing import Any, Iterator
 
@@ -36,7 +37,7 @@ from .cache import PlanCache
 from .errors import CaptureError, RematError
 from .plan import Plan
 
-__all__ = ["RematModule", "rematerialize"]
+__all__ = ["RematModule", "measure_eager_step", "rematerialize"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,77 @@ def _preserve_state(module: nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for buf, snapshot in buffers:
                     buf.copy_(snapshot)
+
+
+@contextlib.contextmanager
+def _grads_set_aside(module: nn.Module) -> Iterator[None]:
+    """Run a backward without touching the parameters' ``.grad`` (they are put back after)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def _backward_root(out: Any) -> torch.Tensor | None:
+    """What a training step differentiates in ``out``: its scalar losses when it has any (a
+    Hugging Face model called with labels), else the sum of every differentiable output (each
+    output's gradient is then a fresh tensor the backward frees after its last use, as a loss
+    outside the module makes it; ones held by the caller through the backward would not be)."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves = tree_flatten(out)[0]
+    if len(leaves) == 1 and not isinstance(leaves[0], torch.Tensor) and hasattr(out, "values"):
+        leaves = tree_flatten(list(out.values()))[0]  # a mapping pytree does not know
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad
+               and t.is_floating_point()]
+    losses = [t for t in tensors if t.dim() == 0]
+    parts = losses or [t.mul(1.0).sum() for t in tensors]
+    return sum(parts[1:], parts[0]) if parts else None
+
+
+def _device_of(module: nn.Module, leaves: list[Any]) -> torch.device:
+    for t in [*module.parameters(), *module.buffers(), *leaves]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
+    """Measure the peak memory of ``module``'s eager training step on this batch.
+
+    The step is the forward, then the backward of its scalar losses (or of the sum of every
+    differentiable output when it returns no scalar) while the outputs are held, measured the way a user measures it
+    (the CUDA allocator's peak; the CPU allocator's events). Nothing changes: buffers, RNG
+    streams and ``.grad`` are as before. This is what a percentage budget is a percentage of
+    (NOTE [ A budget is what the user measures ] in :mod:`remat.budget`).
+
+    Returns:
+        Peak bytes allocated during the step above what was live before it.
+
+    Raises:
+        RuntimeError: on CPU inside another ``torch.profiler`` session (see :func:`track_memory`).
+
+    Example:
+        >>> remat.measure_eager_step(model, batch)  # doctest: +SKIP
+        153092096
+    """
+    from .memory import track_memory
+    from torch.utils._pytree import tree_flatten
+
+    device = _device_of(module, tree_flatten((args, kwargs))[0])
+    with _preserve_state(module), _grads_set_aside(module), torch.enable_grad():
+        with track_memory(device) as memory:
+            out = module(*args, **kwargs)
+            root = _backward_root(out)
+            if root is not None:  # the caller holds ``out`` through it, as the simulator assumes
+                root.backward()
+            del out, root
+    return memory.peak_bytes
 
 
 _DATA_DEPENDENT = ("data-dependent", "data dependent", "guardondatadependentsymnode")
@@ -317,6 +389,27 @@ class RematModule(nn.Module):
         return f"budget={b.budget}, solver={b.solver!r}"
 
 
+def _eager_reference(module: nn.Module, args: tuple, kwargs: dict, eager: int | None,
+                     step: int | None) -> tuple[int, int] | None:
+    """``(eager_bytes, outside_bytes)`` for NOTE [ A budget is what the user measures ]."""
+    for name, value in (("eager_peak_bytes", eager), ("step_peak_bytes", step)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):
+            raise ValueError(f"rematerialize({name}={value!r}): expected a positive int number "
+                             "of bytes measured on the eager step, or None")
+    if eager is None:
+        try:
+            eager = measure_eager_step(module, *args, **kwargs)
+        except RuntimeError as exc:  # a profiler session is running (CPU)
+            warnings.warn(f"remat: cannot measure the eager step ({exc}); the budget applies to "
+                          "the captured step's unmodified peak instead", stacklevel=3)
+            return None
+        if eager <= 0:
+            return None
+    # Signed: a step that drops outputs the module returns is leaner than the module alone.
+    return eager, (step - eager) if step is not None else 0
+
+
 def rematerialize(
     module: nn.Module,
     *example_args: Any,
@@ -326,6 +419,8 @@ def rematerialize(
     measure: bool = True,
     options: dict | None = None,
     cache: PlanCache | str | None = None,
+    eager_peak_bytes: int | None = None,
+    step_peak_bytes: int | None = None,
     **example_kwargs: Any,
 ) -> RematModule:
     """Return an equivalent module whose training step keeps activation memory under ``budget``.
@@ -340,14 +435,20 @@ def rematerialize(
     Args:
         module: The network to wrap (an ``nn.Module`` in the mode it will train in).
         *example_args: A real example batch, as positional arguments of ``module``.
-        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified step's activation
-            peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
+        budget: Memory budget of the training step: ``"70%"``/``0.7`` of the peak the eager
+            step measures on the example batch, or bytes of that peak (``"6GiB"``, ``"512MB"``,
+            ``1_500_000_000``); see NOTE [ A budget is what the user measures ].
         solver: One of ``remat.SOLVERS``.
         time_limit: Seconds the solver may spend; the best schedule found by then is used.
         measure: Time ops on the example (default) or model them from FLOPs and bytes.
         options: Solver-specific options.
         cache: A :class:`remat.PlanCache` (or a directory for one): a graph solved before with
             the same settings is not profiled or solved again.
+        eager_peak_bytes: The module's eager step peak on the example, if already measured
+            (:func:`measure_eager_step`); measured here when ``None``.
+        step_peak_bytes: The measured eager peak of the whole training step the module runs
+            in, when part of the step is outside it (a loss head): percentages are of it, and
+            what it adds to the module's peak is charged against the budget.
         **example_kwargs: Keyword arguments of the example call.
 
     Returns:
@@ -375,8 +476,11 @@ def rematerialize(
                         "its .original to solve again with other settings")
     if isinstance(cache, (str, os.PathLike)):
         cache = PlanCache(cache)
-    rm = RematModule(module, RematBackend(budget, solver=solver, time_limit=time_limit,
-                                          measure=measure, options=options, cache=cache))
+    backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
+                           options=options, cache=cache)
+    backend.eager = _eager_reference(module, example_args, example_kwargs, eager_peak_bytes,
+                                     step_peak_bytes)
+    rm = RematModule(module, backend)
     plan = rm.capture(*example_args, **example_kwargs)
     rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]
     return rm

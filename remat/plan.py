@@ -33,6 +33,11 @@ class Plan:
         num_recomputed: Op executions added by recomputation.
         cache_hit: Whether the schedule came from the on-disk plan cache.
         detail: The solver's own notes.
+        eager_bytes: Measured peak of the module's eager step (forward + backward; ``0`` when
+            not measured), the quantity a percentage budget is of, with ``outside_bytes``
+            (NOTE [ A budget is what the user measures ] in :mod:`remat.budget`).
+        outside_bytes: Measured memory the rest of the training step (a loss head outside the
+            module) adds to it; charged against the budget.
     """
 
     baseline_bytes: int
@@ -49,20 +54,37 @@ class Plan:
     num_recomputed: int = 0
     cache_hit: bool = False
     detail: str = ""
+    eager_bytes: int = 0
+    outside_bytes: int = 0
 
     @property
     def predicted_ratio(self) -> float:
         """Predicted peak as a fraction of the baseline peak."""
         return self.predicted_peak_bytes / max(self.baseline_bytes, 1)
 
+    @property
+    def predicted_step_ratio(self) -> float:
+        """Predicted peak of the whole training step as a fraction of its measured eager peak
+        (what a percentage budget promises); of the unmodified step when not measured."""
+        if not self.eager_bytes:
+            return self.predicted_ratio
+        return (self.predicted_peak_bytes + self.outside_bytes) / (self.eager_bytes +
+                                                                   self.outside_bytes)
+
     def summary(self) -> str:
         """A small table for logs."""
         rows = [
             ("solver", f"{self.solver} ({self.status})" + (" [cache hit]" if self.cache_hit else "")),
-            ("baseline activation peak", format_bytes(self.baseline_bytes)),
-            ("budget", format_bytes(self.budget_bytes)),
+            *([("eager step peak (measured)", format_bytes(self.eager_bytes + self.outside_bytes)
+                + (f", {format_bytes(self.outside_bytes)} of it outside the module"
+                   if self.outside_bytes > 0 else ""))] if self.eager_bytes else []),
+            ("compiled unmodified peak", format_bytes(self.baseline_bytes)),
+            ("budget", format_bytes(self.budget_bytes) + (" for the module" if self.outside_bytes > 0
+                                                          else "")),
             ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} "
-                               f"({100 * self.predicted_ratio:.1f}% of baseline)"),
+                               + (f"({100 * self.predicted_step_ratio:.1f}% of the eager step)"
+                                  if self.eager_bytes else
+                                  f"({100 * self.predicted_ratio:.1f}% of baseline)")),
             ("lowest possible peak", format_bytes(self.lower_bound_bytes)),
             ("predicted overhead", f"+{100 * self.predicted_overhead:.1f}% step time"),
             ("saved for backward", format_bytes(self.saved_bytes)),

@@ -5,7 +5,7 @@ import logging
 import time
 import warnings
 
-from .budget import Budget, format_bytes
+from .budget import Budget, Reference, format_bytes
 from .errors import InfeasibleBudgetError, internal_assert
 from .graph import RematGraph
 from .liveness import peak_lower_bound
@@ -41,9 +41,10 @@ def least_memory_schedule(graph: RematGraph):
 def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_bytes: int,
              solver: str, status: str, solve_time_s: float = 0.0,
              lower_bound_bytes: int | None = None, detail: str = "",
-             cache_hit: bool = False) -> Plan:
+             cache_hit: bool = False, reference: Reference | None = None) -> Plan:
     """The :class:`Plan` of ``schedule`` on ``graph``: every number from the simulations given."""
     base_time = baseline.time or 1e-12
+    step, outside = reference.at(baseline.peak_bytes) if reference is not None else (0, 0)
     return Plan(
         baseline_bytes=baseline.peak_bytes,
         budget_bytes=budget_bytes,
@@ -60,6 +61,8 @@ def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_byt
         num_recomputed=schedule.recompute_count(graph),
         cache_hit=cache_hit,
         detail=detail,
+        eager_bytes=int(round(step - outside)),
+        outside_bytes=int(round(outside)),
     )
 
 
@@ -71,6 +74,7 @@ def plan_graph(
     time_limit: float,
     options: dict | None = None,
     over_budget: str = "raise",
+    reference: Reference | None = None,
 ) -> tuple[Plan, Schedule]:
     """Solve ``graph`` under ``budget`` and check the result with the simulator.
 
@@ -80,6 +84,8 @@ def plan_graph(
     Args:
         over_budget: ``"raise"`` an :class:`InfeasibleBudgetError` when nothing fits, or use the
             ``"lowest"``-peak schedule found (status ``"over_budget"``, with a warning).
+        reference: What the user measures (NOTE [ A budget is what the user measures ]); the
+            budget applies to the captured step's own unmodified peak without one.
 
     Raises:
         InfeasibleBudgetError: if the budget is below what any schedule can reach, or the solver
@@ -87,12 +93,14 @@ def plan_graph(
     """
     started = time.perf_counter()
     baseline = simulate(graph, save_all_schedule(graph))
-    budget_bytes = budget.resolve(baseline.peak_bytes)
+    budget_bytes = budget.resolve(baseline.peak_bytes, reference)
     lower = peak_lower_bound(graph)
+    step, outside = reference.at(baseline.peak_bytes) if reference is not None else (None, 0)
     if budget_bytes < lower and over_budget == "raise":
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, lower_bound_bytes=lower,
                                     baseline_bytes=baseline.peak_bytes, solver=solver,
-                                    best_bytes=least_memory_schedule(graph)[1].peak_bytes)
+                                    best_bytes=least_memory_schedule(graph)[1].peak_bytes,
+                                    step_bytes=step, outside_bytes=outside)
     if budget_bytes >= baseline.peak_bytes:
         # Nothing to save: the unmodified step already fits.
         schedule, sim, status, name, detail = save_all_schedule(graph), baseline, "optimal", solver, \
@@ -133,6 +141,7 @@ def plan_graph(
                 budget_bytes=budget_bytes, lower_bound_bytes=lower,
                 baseline_bytes=baseline.peak_bytes, solver=solver, best_bytes=best,
                 detail=f"({result.detail})" if result.detail else "",
+                step_bytes=step, outside_bytes=outside,
             )
         schedule, sim, status, name, detail = (result.schedule, result.simulation, result.status,
                                                result.solver, result.detail)
@@ -141,6 +150,6 @@ def plan_graph(
                     "solver returned a schedule over budget")
     plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes, solver=name,
                     status=status, solve_time_s=solve_time, lower_bound_bytes=lower,
-                    detail=detail)
+                    detail=detail, reference=reference)
     log.debug("remat plan:\n%s", plan.summary())
     return plan, schedule

@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .budget import Budget, format_bytes
+from .budget import Budget, Reference, format_bytes
 from .errors import InfeasibleBudgetError
 from .graph import RematGraph
 from .liveness import peak_lower_bound
@@ -218,6 +218,9 @@ class ShapePlans:
         self.entries: list[Entry] = []
         self.choices: dict[tuple, Choice] = {}  # (family, sizes) -> choice
         self._warned: set[str] = set()
+        # What the user measures, set with the first graph (NOTE [ A budget is what the user
+        # measures ]); None: budgets apply to the compiled step's own peak.
+        self.reference: Reference | None = None
 
     # ---- building --------------------------------------------------------------------------
     def add_family(self, key: str, sized: SizedGraph, schedule: Schedule, plan: Plan,
@@ -266,30 +269,32 @@ class ShapePlans:
         return self.price(family, family.entries[1], sizes).peak_bytes
 
     def budget_at(self, family: Family, sizes: Sequence[int]) -> int:
-        """The budget in bytes for a batch of ``sizes``.
+        """The bytes a schedule may peak at for a batch of ``sizes``.
 
         NOTE [ Budgets over many sizes ]
-        A byte budget is a memory limit and holds for every size. A fraction is a promise about
-        the run's peak, which its largest batch sets: it applies to the largest unmodified-step
-        peak seen so far for this graph (the example batch's, then any larger batch's), so
-        ``"50%"`` halves the run's peak whatever order the batches come in, and a small batch
-        is not squeezed to half of its own, already small, peak.
+        A byte budget is a memory limit and holds for every size (less the memory outside the
+        module at these sizes). A fraction is a promise about the run's peak, which its largest
+        batch sets: it applies to the largest unmodified-step peak seen so far for this graph
+        (the example batch's, then any larger batch's), so ``"50%"`` halves the run's peak
+        whatever order the batches come in, and a small batch is not squeezed to half of its
+        own, already small, peak.
         """
+        baseline = self.baseline_at(family, sizes)
         if self.budget.bytes is not None:
-            return self.budget.bytes
-        family.max_baseline = max(family.max_baseline, self.baseline_at(family, sizes))
+            return self.budget.resolve(baseline, self.reference)
+        family.max_baseline = max(family.max_baseline, baseline)
         return self._fraction_budget(family)
 
     def _fraction_budget(self, family: Family) -> int:
-        return max(family.budget_bytes, self.budget.resolve(family.max_baseline))
+        return max(family.budget_bytes, self.budget.resolve(family.max_baseline, self.reference))
 
     def run_budget_bytes(self) -> int | None:
         """The budget in bytes the run has reached so far (``None`` before the first graph):
         for a new specialisation of the same module (NOTE [ Budgets over many sizes ])."""
-        if self.budget.bytes is not None:
-            return self.budget.bytes
         if not self.families:
             return None
+        if self.budget.bytes is not None:
+            return max(f.budget_bytes for f in self.families.values())
         return max(self._fraction_budget(f) for f in self.families.values())
 
     def choose(self, key: str, sizes: Sequence[int]) -> Choice:
@@ -333,7 +338,8 @@ class ShapePlans:
                 at = family.sized.at(target)
                 # A fraction solves the bucket for the same share of its own peak.
                 target_bytes = budget_bytes if self.budget.bytes is not None or target == sizes \
-                    else max(budget_bytes, self.budget.resolve(self.baseline_at(family, target)))
+                    else max(budget_bytes, self.budget.resolve(self.baseline_at(family, target),
+                                                               self.reference))
                 # Solved with the re-pricing headroom, so that it fits where it is re-priced.
                 target_bytes = int(target_bytes / (1 + _REPRICE_HEADROOM))
                 if peak_lower_bound(at) > target_bytes:
