@@ -372,10 +372,17 @@ def _read_first(iterable: Any) -> Any:
             shutdown()
 
 
-def _detached(value: Any) -> Any:
+def _detached(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """Detached copies (views) of the tensors in ``value``; one tensor passed twice (Hugging
+    Face's ``input_ids=batch, labels=batch``) stays one tensor, so the capture sees the same
+    aliasing as the training steps (else dynamo would specialise the steps anew)."""
+    memo = {} if memo is None else memo
+
     def detach(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return x.detach().requires_grad_(x.requires_grad)
+            if id(x) not in memo:
+                memo[id(x)] = x.detach().requires_grad_(x.requires_grad)
+            return memo[id(x)]
         return x
     return tree_map(detach, value)
 
@@ -392,7 +399,8 @@ def record_first_calls(targets: Sequence[Target]) -> Iterator[dict[str, tuple[tu
     for target in targets:
         def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = target.name) -> None:
             if name not in calls:
-                calls[name] = (_detached(args), _detached(kwargs))
+                memo: dict[int, torch.Tensor] = {}
+                calls[name] = (_detached(args, memo), _detached(kwargs, memo))
         handles.append(target.module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield calls
@@ -448,16 +456,47 @@ def _label(name: str) -> str:
 
 
 def _rematerialize(target: Target, args: tuple, kwargs: dict, settings: RematSettings,
-                   cache: PlanCache, result: TargetResult) -> None:
+                   cache: PlanCache, result: TargetResult,
+                   measured: tuple[int, int] | None = None) -> None:
     t0 = time.perf_counter()
+    eager, step = measured if measured is not None else (None, None)
     rm = remat.rematerialize(
         target.module, *args, budget=settings.budget, solver=settings.solver,
-        time_limit=settings.time_limit, cache=cache, **kwargs,
+        time_limit=settings.time_limit, cache=cache, eager_peak_bytes=eager,
+        step_peak_bytes=step, **kwargs,
     )
     result.capture_time_s = time.perf_counter() - t0
     result.remat_module = rm
     result.plan = rm.plan
     result.plans = rm.plans
+
+
+def _step_shares(targets: Sequence[Target], calls: Mapping[str, tuple[tuple, dict]],
+                 step_peak_bytes: int | None) -> dict[str, tuple[int, int]]:
+    """Name -> ``(eager_peak_bytes, step_peak_bytes)`` for :func:`remat.rematerialize`.
+
+    NOTE [ Charging the rest of the step ]
+    A percentage budget is a percentage of the whole training step the user measures, loss
+    included (NOTE [ A budget is what the user measures ] in ``remat/budget.py``). The warmup
+    measures that step; each target's own eager step is measured here, and the step is shared
+    among the targets in proportion to their own peaks, so that what the rest of the step adds
+    (a loss head over the logits, code between the targets) is charged against the budget once,
+    not once per target.
+    """
+    if not step_peak_bytes or not targets:
+        return {}
+    own = {}
+    for t in targets:
+        try:
+            own[t.name] = remat.measure_eager_step(t.module, *calls[t.name][0],
+                                                   **calls[t.name][1])
+        except Exception:  # noqa: BLE001 - the capture reports a broken target with its reason
+            return {}
+    total = sum(own.values())
+    if total <= 0:
+        return {}
+    return {name: (peak, max(1, round(step_peak_bytes * peak / total)))
+            for name, peak in own.items() if peak > 0}
 
 
 def solve_targets(
@@ -470,6 +509,7 @@ def solve_targets(
     comm: Collectives | None = None,
     info: Callable[[str], None] = lambda message: None,
     warn: Callable[[str], None] = lambda message: None,
+    step_peak_bytes: int | None = None,
 ) -> dict[str, TargetResult]:
     """Rematerialize every target with its recorded call; see NOTE [ Same plan on every rank ].
 
@@ -484,6 +524,8 @@ def solve_targets(
         comm: Collectives for multi-process runs.
         info: Logs progress lines (rank 0 only).
         warn: Emits a warning (rank 0 only).
+        step_peak_bytes: The measured peak of the whole eager training step (loss included),
+            when the targets are only part of it: see NOTE [ Charging the rest of the step ].
 
     Returns:
         Name -> :class:`TargetResult`.
@@ -493,6 +535,7 @@ def solve_targets(
             rank: rank 0 raises the original error, the others a ``RematError`` quoting it).
     """
     comm = comm or Collectives()
+    measured = _step_shares(targets, calls, step_peak_bytes)
     results = {t.name: TargetResult(t.name) for t in targets}
     errors: dict[str, str] = {}
     originals: dict[str, BaseException] = {}
@@ -503,7 +546,8 @@ def solve_targets(
                  f"{settings.budget}, solver {settings.solver!r}, time limit "
                  f"{settings.time_limit:g} s) ...")
             try:
-                _rematerialize(t, *calls[t.name], settings, cache, results[t.name])
+                _rematerialize(t, *calls[t.name], settings, cache, results[t.name],
+                               measured.get(t.name))
             except CaptureError as e:
                 if e.reason == "no_grad" and not t.explicit:
                     results[t.name].skipped = "nothing requires grad in its call"
@@ -536,7 +580,8 @@ def solve_targets(
                     results[t.name].skipped = payload["skipped"][t.name]
                 elif t.name not in errors:
                     try:
-                        _rematerialize(t, *calls[t.name], settings, cache, results[t.name])
+                        _rematerialize(t, *calls[t.name], settings, cache, results[t.name],
+                               measured.get(t.name))
                     except Exception as e:  # noqa: BLE001 - every rank decides together below
                         errors[t.name] = f"{type(e).__name__} on rank {comm.rank}: {e}"
                         originals[t.name] = e
@@ -583,13 +628,14 @@ def format_table(results: Mapping[str, TargetResult], settings: RematSettings, *
             continue
         rows.append((
             name or "(model)", format_bytes(p.baseline_bytes), format_bytes(p.budget_bytes),
-            f"{format_bytes(p.predicted_peak_bytes)} ({100 * p.predicted_ratio:.0f}%)",
+            f"{format_bytes(p.predicted_peak_bytes)} ({100 * p.predicted_step_ratio:.0f}%)",
             f"+{100 * p.predicted_overhead:.1f}%", f"{p.solver} ({p.status})",
             f"{p.solve_time_s:.2f} s", f"{r.capture_time_s:.2f} s",
             "hit" if p.cache_hit else "miss",
         ))
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = [f"{owner}: activation memory under budget {settings.budget} (predicted per step)"]
+    lines = [f"{owner}: memory under budget {settings.budget} (predicted per step; % of the "
+             "measured eager step, of the compiled baseline where it was not measured)"]
     lines += ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
               for row in (header, *rows)]
     if eager_peak_bytes is not None:

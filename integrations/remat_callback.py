@@ -249,7 +249,7 @@ class HiRemateCallback(Callback):
         with isolated_rng(), trainer.precision_plugin.train_step_context():
             self.results = solve_targets(
                 targets, calls, self.settings, self.cache, owner=_OWNER, comm=comm,
-                info=self._info, warn=self._warn,
+                info=self._info, warn=self._warn, step_peak_bytes=self.eager_peak_bytes,
             )
         del calls
         self._swap(pl_module, targets)
@@ -276,7 +276,9 @@ class HiRemateCallback(Callback):
         batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
         args = (batch, 0) if is_param_in_hook_signature(pl_module.training_step, "batch_idx",
                                                          min_args=2) else (batch,)
-        measure = self.settings.verbose and pl_module.automatic_optimization
+        # The whole step's peak is what a percentage budget is of (NOTE [ Charging the rest of
+        # the step ]); manual optimization stops at its first manual_backward, so not there.
+        measure = pl_module.automatic_optimization
         with record_first_calls(targets) as calls, trainer.precision_plugin.train_step_context():
             tracking = self._start_tracking(trainer) if measure else None
             try:

@@ -170,3 +170,23 @@ def test_ten_fits_in_one_process_are_all_rematerialized():
         assert isinstance(losses.net, remat.RematModule), k
         plan = callback.plans["net"]
         assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_bytes, k
+
+
+def test_first_step_measured_within_budget_of_the_eager_step_on_hf_gpt2():
+    """The callback's own report: the first training step's measured peak is > 0 (measured
+    through the capture, never a silent 0) and within the budget of the eager warmup step,
+    the loss included (NOTE [ A budget is what the user measures ])."""
+    pl.seed_everything(0, verbose=False)
+    model = LitGPT()
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(VOCAB, (8, 128), generator=gen) for _ in range(3)]
+    callback = HiRemateCallback(budget="60%", time_limit=10)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[callback])
+    trainer.fit(model, DataLoader(data, batch_size=None))
+    eager, step = callback.eager_peak_bytes, callback.step_peak_bytes
+    assert eager > 0 and step > 0
+    assert step <= 0.6 * eager * 1.02, f"first step measured {step / eager:.3f} of eager"
+    plan = callback.results["net"].plans[0]
+    assert plan.eager_bytes + plan.outside_bytes == eager
