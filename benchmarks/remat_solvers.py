@@ -25,7 +25,8 @@ from benchmarks.models import GPT, MLP, GPTConfig, gpt_batch
 def capture(model: torch.nn.Module, *args) -> tuple[remat.RematGraph, float]:
     torch._dynamo.reset()
     start = time.perf_counter()
-    rm = remat.rematerialize(model, *args, budget="100%", solver="none")
+    # No limit: the graph as captured (a percentage is of the eager step, maybe below it).
+    rm = remat.rematerialize(model, *args, budget="1TiB", solver="none")
     return rm.graphs[0], time.perf_counter() - start
 
 

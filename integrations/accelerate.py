@@ -117,8 +117,9 @@ class HiRematePlugin:
     """Rematerialization settings for :class:`HiRemateAccelerator` (frozen, checked when built).
 
     Args:
-        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified model's activation
-            peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
+        budget: Memory budget: ``"70%"``/``0.7`` of the model's eager step peak measured on the
+            example batch (its loss, when the model computes it; a loss computed outside the
+            model is not measured here), or bytes of that peak (``"6GiB"``, ``1_500_000_000``).
         solver: One of ``remat.SOLVERS``.
         time_limit: Seconds each solve may take.
         module: ``None`` (the whole model), or the name(s) of submodules to rematerialize in

@@ -131,8 +131,9 @@ class HiRemateCallback(Callback):
     plans ] in ``remat/sizes.py``).
 
     Args:
-        budget: Activation-memory budget: ``"70%"``/``0.7`` of the unmodified network's
-            activation peak, or bytes (``"6GiB"``, ``"512MB"``, ``1_500_000_000``; per target).
+        budget: Memory budget: ``"70%"``/``0.7`` of the unmodified warmup step's measured peak
+            (the whole ``training_step`` with its loss; what runs outside the targets is charged
+            against it), or bytes of that peak (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
         module: Which LightningModule attribute(s) to rematerialize: a name (``"net"``), a dotted
             path (``"model.encoder"``) or a list of them. Default: every top-level child holding
             parameters that is called during the training step.
@@ -142,8 +143,8 @@ class HiRemateCallback(Callback):
         strict: Raise when a target cannot be captured or the budget is infeasible. With
             ``False`` (default) that target trains unmodified and rank 0 warns.
         verbose: Log progress lines, the summary table, and the measured peaks of the warmup step
-            and of the first training step (measuring adds one backward to the warmup and, on
-            CPU, runs the profiler during those two steps).
+            and of the first training step (on CPU the profiler runs during those two steps; the
+            warmup is measured whatever ``verbose`` is, since the budget is of it).
 
     Attributes:
         results: Target name -> :class:`~integrations._remat_shared.TargetResult` (plan, every

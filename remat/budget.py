@@ -53,8 +53,9 @@ class Budget:
     Exactly one of ``fraction`` and ``bytes`` is set.
 
     Attributes:
-        fraction: Share of the baseline activation peak, in (0, 1].
-        bytes: Absolute activation peak in bytes (> 0).
+        fraction: Share of the measured eager step's peak, in (0, 1] (NOTE [ A budget is what
+            the user measures ]).
+        bytes: That peak in bytes (> 0).
         text: The value as the user wrote it, for messages.
     """
 
@@ -120,7 +121,7 @@ def parse_budget(value: str | float | int | Budget) -> Budget:
     """Parse a memory budget.
 
     Args:
-        value: ``"70%"`` / ``0.7`` (fraction of the unmodified model's activation peak),
+        value: ``"70%"`` / ``0.7`` (fraction of the eager training step's measured peak),
             ``"6GiB"`` / ``"512MB"`` / ``"1.5e9B"`` (bytes; SI and binary units), or an ``int``
             number of bytes (``1_500_000_000``). A :class:`Budget` is returned unchanged.
 

@@ -20,11 +20,12 @@ class MemoryReport:
         gradient_bytes: Gradients of the trainable parameters (produced by the step; part of
             the activation peak).
         activation_peak_bytes: Peak of everything the unmodified (compiled, save-everything) step
-            allocates: saved activations, temporaries, outputs, gradients. Budget fractions
-            refer to this number.
+            allocates: saved activations, temporaries, outputs, gradients.
         lowest_peak_bytes: No schedule can go below this peak: the lowest budget the graph
             allows (in bytes).
         num_ops: Ops in the joint forward+backward graph.
+        eager_peak_bytes: Measured peak of the eager step, what a percentage budget is of
+            (NOTE [ A budget is what the user measures ]); ``0`` when it could not be measured.
     """
 
     parameter_bytes: int
@@ -32,18 +33,23 @@ class MemoryReport:
     activation_peak_bytes: int
     lowest_peak_bytes: int
     num_ops: int
+    eager_peak_bytes: int = 0
 
     @property
     def lowest_budget_fraction(self) -> float:
-        return self.lowest_peak_bytes / max(self.activation_peak_bytes, 1)
+        """The lowest peak as a budget fraction (of the eager step when it was measured)."""
+        return self.lowest_peak_bytes / max(self.eager_peak_bytes or self.activation_peak_bytes, 1)
 
     def summary(self) -> str:
         rows = [
             ("parameters + buffers", format_bytes(self.parameter_bytes)),
             ("parameter gradients", format_bytes(self.gradient_bytes)),
-            ("activation peak (step)", format_bytes(self.activation_peak_bytes)),
+            *([("eager step peak (measured)", format_bytes(self.eager_peak_bytes))]
+              if self.eager_peak_bytes else []),
+            ("compiled step peak", format_bytes(self.activation_peak_bytes)),
             ("lowest possible peak", f"{format_bytes(self.lowest_peak_bytes)} "
-                                     f"({100 * self.lowest_budget_fraction:.0f}% of the step)"),
+                                     f"({100 * self.lowest_budget_fraction:.0f}% of the "
+                                     f"{'eager ' if self.eager_peak_bytes else ''}step)"),
             ("joint graph ops", str(self.num_ops)),
         ]
         width = max(len(k) for k, _ in rows)
@@ -69,7 +75,8 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
     """
     from .module import rematerialize
 
-    rm = rematerialize(module, *example_args, budget="100%", solver="none", **example_kwargs)
+    # No limit: the unmodified step is what is reported (a percentage could be below it).
+    rm = rematerialize(module, *example_args, budget=_NO_LIMIT, solver="none", **example_kwargs)
     plan = rm.plan
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     params += sum(b.numel() * b.element_size() for b in module.buffers())
@@ -80,4 +87,8 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
         activation_peak_bytes=plan.baseline_bytes,
         lowest_peak_bytes=plan.lower_bound_bytes,
         num_ops=plan.num_ops,
+        eager_peak_bytes=plan.eager_bytes,
     )
+
+
+_NO_LIMIT = 2**62
