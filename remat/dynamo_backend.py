@@ -27,7 +27,7 @@ from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
-from .planner import describe, plan_graph
+from .planner import checkpoint_schedule, describe, plan_graph
 from .schedule import Schedule, save_all_schedule, simulate
 from .sizes import ShapePlans, SizedGraph, structure_key
 from .solvers import get_solver
@@ -175,7 +175,8 @@ class RematBackend:
                 plan, schedule = plan_graph(graph, budget, solver=self.solver,
                                             time_limit=self.time_limit, options=self.options,
                                             over_budget="lowest" if self.lenient else "raise",
-                                            reference=reference)
+                                            reference=reference,
+                                            candidates=_user_checkpointing(lowered, graph))
             except RematError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a solver crash is ours, not the model's
@@ -247,6 +248,18 @@ class RematBackend:
                 log.debug("input %s does not match its primal; modelling op times", node.name)
                 return None
         return candidates
+
+
+def _user_checkpointing(lowered, graph: RematGraph) -> list[tuple[Schedule, str]]:
+    """NOTE [ The user's checkpointing is a candidate ]: the regions AOTAutograd tagged for
+    recomputation (``torch.utils.checkpoint`` in the model) as a schedule, if any."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+    tags = [node.meta.get("ac_graph_id") if node.meta.get("recompute") in recompute else None
+            for node in lowered.op_nodes]
+    schedule = checkpoint_schedule(graph, tags)
+    return [] if schedule is None else [(schedule, "the model's own torch.utils.checkpoint")]
 
 
 def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,

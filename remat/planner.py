@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from typing import Sequence
 
 from .budget import Budget, Reference, format_bytes
 from .errors import InfeasibleBudgetError, internal_assert
@@ -14,9 +15,26 @@ from .schedule import (Schedule, on_demand_schedule, remake_views, save_all_sche
                        tidy)
 from .solvers import Problem, get_solver
 
-__all__ = ["describe", "least_memory_schedule", "plan_graph"]
+__all__ = ["checkpoint_schedule", "describe", "least_memory_schedule", "plan_graph"]
 
 log = logging.getLogger(__name__)
+
+
+def _best_of(result, offered, budget_bytes: int):
+    """The solver's result, or a fitting candidate schedule that is faster (or found where the
+    solver found nothing)."""
+    from dataclasses import replace
+
+    solved = result.schedule is not None and result.status != "infeasible"
+    best_time = result.simulation.time if solved else float("inf")
+    for schedule, sim, name in offered:
+        if sim.peak_bytes <= budget_bytes and sim.time < best_time:
+            best_time = sim.time
+            why = "faster than the solver's schedule" if solved else "the solver found none"
+            detail = (result.detail + "; " if result.detail else "") + f"{name}: {why}"
+            result = replace(result, schedule=schedule, simulation=sim, status="feasible",
+                             detail=detail)
+    return result
 
 
 def _lowest(graph: RematGraph, result):
@@ -36,6 +54,30 @@ def least_memory_schedule(graph: RematGraph):
     schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, frozenset(),
                                                                   keep_recomputed=False)))
     return schedule, simulate(graph, schedule)
+
+
+def checkpoint_schedule(graph: RematGraph, tags: Sequence[object]) -> Schedule | None:
+    """The schedule the model's own ``torch.utils.checkpoint`` calls ask for, or ``None``.
+
+    NOTE [ The user's checkpointing is a candidate ]
+    A model whose blocks call ``torch.utils.checkpoint`` already runs a schedule in eager: the
+    joint graph marks the forward ops inside each checkpointed region (``tags[i]``: the region's
+    id, ``None`` outside any). That schedule saves everything but those ops' outputs and reruns
+    a whole region when backward first needs one of its values, as eager does. Its peak is the
+    user's eager peak (the budget's reference), so it is always offered next to the solver's
+    answer: the faster one that fits wins, and a budget the user's own step meets never fails.
+    """
+    regions: dict[object, list[int]] = {}
+    for i in graph.forward_ops:
+        if tags[i] is not None and graph.ops[i].recomputable:
+            regions.setdefault(tags[i], []).append(i)
+    if not regions:
+        return None
+    inside = {v for ops in regions.values() for i in ops for v in graph.ops[i].outputs}
+    everything = save_all_schedule(graph)
+    saved = frozenset(everything.saved - inside)
+    return tidy(graph, remake_views(graph, on_demand_schedule(graph, saved,
+                                                              list(regions.values()))))
 
 
 def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_bytes: int,
@@ -75,6 +117,7 @@ def plan_graph(
     options: dict | None = None,
     over_budget: str = "raise",
     reference: Reference | None = None,
+    candidates: Sequence[tuple[Schedule, str]] = (),
 ) -> tuple[Plan, Schedule]:
     """Solve ``graph`` under ``budget`` and check the result with the simulator.
 
@@ -86,6 +129,8 @@ def plan_graph(
             ``"lowest"``-peak schedule found (status ``"over_budget"``, with a warning).
         reference: What the user measures (NOTE [ A budget is what the user measures ]); the
             budget applies to the captured step's own unmodified peak without one.
+        candidates: Other schedules and their names (NOTE [ The user's checkpointing is a
+            candidate ]): the fastest of these and the solver's answer that fits is used.
 
     Raises:
         InfeasibleBudgetError: if the budget is below what any schedule can reach, or the solver
@@ -96,10 +141,12 @@ def plan_graph(
     budget_bytes = budget.resolve(baseline.peak_bytes, reference)
     lower = peak_lower_bound(graph)
     step, outside = reference.at(baseline.peak_bytes) if reference is not None else (None, 0)
+    offered = [(schedule, simulate(graph, schedule), name) for schedule, name in candidates]
     if budget_bytes < lower and over_budget == "raise":
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, lower_bound_bytes=lower,
                                     baseline_bytes=baseline.peak_bytes, solver=solver,
-                                    best_bytes=least_memory_schedule(graph)[1].peak_bytes,
+                                    best_bytes=min([least_memory_schedule(graph)[1].peak_bytes,
+                                                    *(sim.peak_bytes for _, sim, _ in offered)]),
                                     step_bytes=step, outside_bytes=outside)
     if budget_bytes >= baseline.peak_bytes:
         # Nothing to save: the unmodified step already fits.
@@ -114,6 +161,7 @@ def plan_graph(
             log.debug("graph that made solver %r fail: %s", solver, graph.summary())
             raise
         fallback_sim = None
+        result = _best_of(result, offered, budget_bytes)
         if result.status == "infeasible" or result.schedule is None:
             # NOTE [ Advice that can be followed ]: the least-memory schedule (recompute every
             # value right before it is read) is a real schedule; when it fits, it is the answer,
@@ -134,7 +182,7 @@ def plan_graph(
                 stacklevel=2,
             )
         elif result.status == "infeasible" or result.schedule is None:
-            best = fallback_sim.peak_bytes
+            best = min([fallback_sim.peak_bytes, *(sim.peak_bytes for _, sim, _ in offered)])
             if result.schedule is not None and result.simulation is not None:
                 best = min(best, result.simulation.peak_bytes)
             raise InfeasibleBudgetError(

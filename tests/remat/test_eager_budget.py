@@ -210,3 +210,25 @@ def test_alias_clones_keeps_the_copies_that_matter():
     assert clones() == 3
     for a, b in zip(gm(x), expected):
         assert torch.equal(a, b)
+
+
+def test_the_users_checkpointing_is_a_candidate_never_discarded():
+    """NOTE [ The user's checkpointing is a candidate ]: with a solver that finds nothing
+    (``"none"``), the model's own torch.utils.checkpoint schedule runs: exact gradients, the
+    eager step's peak; the default solver's answer is at least as fast."""
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = checkpointed()
+    model.train()
+    eager_peak = _step(model, args, kwargs, loss_of)
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    rm = remat.rematerialize(model, *args, budget="100%", solver="none",
+                             step_peak_bytes=eager_peak)
+    users = rm.plan
+    assert "torch.utils.checkpoint" in users.detail and users.num_recomputed > 0
+    peak = _step(rm, args, kwargs, loss_of)
+    assert peak <= eager_peak * TOLERANCE
+    for p, g in zip(model.parameters(), eager_grads):
+        assert torch.equal(p.grad, g)
+    solved = remat.rematerialize(model, *args, budget="100%", time_limit=10,
+                                 step_peak_bytes=eager_peak).plan
+    assert solved.predicted_overhead <= users.predicted_overhead
