@@ -27,14 +27,27 @@ def _best_of(result, offered, budget_bytes: int):
 
     solved = result.schedule is not None and result.status != "infeasible"
     best_time = result.simulation.time if solved else float("inf")
+    winner = None
     for schedule, sim, name in offered:
         if sim.peak_bytes <= budget_bytes and sim.time < best_time:
-            best_time = sim.time
-            why = "faster than the solver's schedule" if solved else "the solver found none"
-            detail = (result.detail + "; " if result.detail else "") + f"{name}: {why}"
-            result = replace(result, schedule=schedule, simulation=sim, status="feasible",
-                             detail=detail)
-    return result
+            best_time, winner = sim.time, (schedule, sim, name)
+    if winner is None:
+        return result
+    schedule, sim, name = winner
+    why = "faster than the solver's schedule" if solved else "the solver found none"
+    return replace(result, schedule=schedule, simulation=sim, status="feasible",
+                   detail=(result.detail + "; " if result.detail else "") + f"{name}: {why}")
+
+
+def _block_checkpointing(graph: RematGraph, solver: str) -> list:
+    """Checkpointing every block (``solver="checkpoint"``) as a fallback schedule."""
+    if solver == "checkpoint":
+        return []
+    result = get_solver("checkpoint").solve(Problem(graph, 0, time_limit=1.0,
+                                                    options={"progress": False}))
+    if result.schedule is None:
+        return []
+    return [(result.schedule, simulate(graph, result.schedule), "block checkpointing fallback")]
 
 
 def _lowest(graph: RematGraph, result):
@@ -160,19 +173,18 @@ def plan_graph(
         except Exception:
             log.debug("graph that made solver %r fail: %s", solver, graph.summary())
             raise
-        fallback_sim = None
         result = _best_of(result, offered, budget_bytes)
         if result.status == "infeasible" or result.schedule is None:
             # NOTE [ Advice that can be followed ]: the least-memory schedule (recompute every
-            # value right before it is read) is a real schedule; when it fits, it is the answer,
-            # so a budget advised from its peak always works.
+            # value right before it is read) is a real schedule; when it fits, it is an answer,
+            # so a budget advised from its peak always works. Block checkpointing is tried too:
+            # where the solver gave up in its time (HF GPT-2 at 50%), it fits at a fraction of
+            # the least-memory schedule's recomputation (+31% vs +990% step time).
             fallback, fallback_sim = least_memory_schedule(graph)
-            if fallback_sim.peak_bytes <= budget_bytes:
-                from dataclasses import replace
-
-                result = replace(result, schedule=fallback, simulation=fallback_sim,
-                                 status="feasible", detail=(result.detail + "; " if result.detail
-                                                            else "") + "least-memory fallback")
+            rescue = [(fallback, fallback_sim, "least-memory fallback"),
+                      *_block_checkpointing(graph, solver)]
+            offered = [*offered, *rescue]
+            result = _best_of(result, rescue, budget_bytes)
         if (result.status == "infeasible" or result.schedule is None) and over_budget != "raise":
             result = _lowest(graph, result)
             warnings.warn(
@@ -182,7 +194,7 @@ def plan_graph(
                 stacklevel=2,
             )
         elif result.status == "infeasible" or result.schedule is None:
-            best = min([fallback_sim.peak_bytes, *(sim.peak_bytes for _, sim, _ in offered)])
+            best = min(sim.peak_bytes for _, sim, _ in offered)
             if result.schedule is not None and result.simulation is not None:
                 best = min(best, result.simulation.peak_bytes)
             raise InfeasibleBudgetError(

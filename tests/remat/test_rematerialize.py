@@ -321,3 +321,26 @@ def test_hierarchical_within_3_percent_of_the_ilp_on_a_traced_model(traced_mlp_g
             graph, budget, time_limit=60, options={"progress": False, **options}))
         assert hier.simulation.peak_bytes <= budget, options
         assert hier.simulation.time <= 1.03 * ilp.simulation.time, options
+
+
+def test_a_solver_that_finds_nothing_falls_back_to_the_faster_rescue_schedule():
+    """When the solver gives up (HF GPT-2 at 50% in its time limit: least-memory +990% step
+    time), block checkpointing is tried next to the least-memory schedule, and the faster one
+    that fits runs; gradients stay exact."""
+    from remat.planner import _block_checkpointing, least_memory_schedule
+
+    ref, args = make("gpt_manual")
+    model, _ = make("gpt_manual")
+    rm = remat.rematerialize(model, *args, budget="60%", solver="none")
+    plan = rm.plan
+    assert "fallback: the solver found none" in plan.detail
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    graph = rm.graphs[0]
+    rescue = [least_memory_schedule(graph)[1],
+              *(sim for _, sim, _ in _block_checkpointing(graph, "none"))]
+    fitting = [sim.time for sim in rescue if sim.peak_bytes <= plan.budget_bytes]
+    assert plan.baseline_time_s * (1 + plan.predicted_overhead) == pytest.approx(min(fitting))
+    step(ref, args, seed=3)
+    step(rm, args, seed=3)
+    for a, b in zip(grads(ref), grads(model)):
+        assert torch.equal(a, b)
