@@ -72,19 +72,21 @@ import remat
 from remat import PlanCache, RematModule
 
 from integrations._remat_shared import (
-    CannotDrawBatch,
     Collectives,
     RematSettings,
     Target,
     TargetResult,
     check_settings,
-    first_batch,
     format_table,
+    resolve_names,
+    solve_targets,
+)
+from integrations._warmup import (
+    CannotDrawBatch,
+    first_batch,
     isolated_rng,
     preserved_state,
     record_first_calls,
-    resolve_names,
-    solve_targets,
 )
 
 __all__ = ["ENV_VARS", "HiRematePlugin", "HiRemateAccelerator", "rematerialize_for_accelerate"]

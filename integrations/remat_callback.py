@@ -47,19 +47,21 @@ import remat
 from remat import Plan, PlanCache, RematModule, format_bytes, track_memory
 
 from integrations._remat_shared import (
-    CannotDrawBatch,
     Collectives,
     Target,
     TargetResult,
     check_settings,
     default_targets,
-    first_batch,
     format_table,
+    resolve_names,
+    solve_targets,
+)
+from integrations._warmup import (
+    CannotDrawBatch,
+    first_batch,
     isolated_rng,
     preserved_state,
     record_first_calls,
-    resolve_names,
-    solve_targets,
 )
 
 __all__ = ["HiRemateCallback"]

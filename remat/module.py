@@ -119,8 +119,8 @@ def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
     """Measure the peak memory of ``module``'s eager training step on this batch.
 
     The step is the forward, then the backward of its scalar losses (or of the sum of every
-    differentiable output when it returns no scalar) while the outputs are held, measured the way a user measures it
-    (the CUDA allocator's peak; the CPU allocator's events). Nothing changes: buffers, RNG
+    differentiable output when it returns no scalar) while the outputs are held, measured the
+    way a user measures it (the CUDA allocator's peak; the CPU allocator's events). Nothing changes: buffers, RNG
     streams and ``.grad`` are as before. This is what a percentage budget is a percentage of
     (NOTE [ A budget is what the user measures ] in :mod:`remat.budget`).
 
@@ -400,7 +400,10 @@ def _eager_reference(module: nn.Module, args: tuple, kwargs: dict, eager: int | 
     if eager is None:
         try:
             eager = measure_eager_step(module, *args, **kwargs)
-        except RuntimeError as exc:  # a profiler session is running (CPU)
+        except RuntimeError as exc:
+            if not torch._C._autograd._profiler_enabled():
+                raise  # the model's own error: the capture would fail the same way
+            # A profiler session is running (CPU): track_memory cannot measure inside it.
             warnings.warn(f"remat: cannot measure the eager step ({exc}); the budget applies to "
                           "the captured step's unmodified peak instead", stacklevel=3)
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from dataclasses import replace
 from typing import Sequence
 
 from .budget import Budget, Reference, format_bytes
@@ -23,8 +24,6 @@ log = logging.getLogger(__name__)
 def _best_of(result, offered, budget_bytes: int):
     """The solver's result, or a fitting candidate schedule that is faster (or found where the
     solver found nothing)."""
-    from dataclasses import replace
-
     solved = result.schedule is not None and result.status != "infeasible"
     best_time = result.simulation.time if solved else float("inf")
     winner = None
@@ -43,8 +42,7 @@ def _block_checkpointing(graph: RematGraph, solver: str) -> list:
     """Checkpointing every block (``solver="checkpoint"``) as a fallback schedule."""
     if solver == "checkpoint":
         return []
-    result = get_solver("checkpoint").solve(Problem(graph, 0, time_limit=1.0,
-                                                    options={"progress": False}))
+    result = get_solver("checkpoint").solve(Problem(graph, 0, time_limit=1.0))
     if result.schedule is None:
         return []
     return [(result.schedule, simulate(graph, result.schedule), "block checkpointing fallback")]
@@ -52,8 +50,6 @@ def _block_checkpointing(graph: RematGraph, solver: str) -> list:
 
 def _lowest(graph: RematGraph, result):
     """The solver's lowest-peak schedule, or the unmodified one if that is lower."""
-    from dataclasses import replace
-
     everything = save_all_schedule(graph)
     sim = simulate(graph, everything)
     if result.schedule is None or sim.peak_bytes <= result.simulation.peak_bytes:
