@@ -64,31 +64,23 @@ def _capture_config():
 
 @contextlib.contextmanager
 def _preserve_state(module: nn.Module) -> Iterator[None]:
-    """Run code without changing the module's buffers or any RNG stream."""
+    """Run code without changing the module's buffers, any RNG stream or any ``.grad``: the
+    parameters' gradients are set aside (``None`` inside, as after ``zero_grad``) and put back."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
     devices = sorted({b.device.index for b, _ in buffers if b.device.type == "cuda"} |
-                     {p.device.index for p in module.parameters() if p.device.type == "cuda"})
+                     {p.device.index for p, _ in grads if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         try:
+            for p, _ in grads:
+                p.grad = None
             yield
         finally:
             with torch.no_grad():
                 for buf, snapshot in buffers:
                     buf.copy_(snapshot)
-
-
-@contextlib.contextmanager
-def _grads_set_aside(module: nn.Module) -> Iterator[None]:
-    """Run a backward without touching the parameters' ``.grad`` (they are put back after)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    saved = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
+            for p, grad in grads:
+                p.grad = grad
 
 
 def _backward_root(out: Any) -> torch.Tensor | None:
@@ -138,7 +130,7 @@ def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
     from torch.utils._pytree import tree_flatten
 
     device = _device_of(module, tree_flatten((args, kwargs))[0])
-    with _preserve_state(module), _grads_set_aside(module), torch.enable_grad():
+    with _preserve_state(module), torch.enable_grad():
         with track_memory(device) as memory:
             out = module(*args, **kwargs)
             root = _backward_root(out)
