@@ -121,13 +121,11 @@ def measure_op_times(
 def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:
     """Run the graph once under the memory profiler; per op, the peak of bytes it allocated
     above what it returns (freed scratch), from the allocator events inside its time window."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from .memory import _cpu_allocation_events
+    from .memory import _cpu_allocation_events, _memory_profile
 
     # Each op runs inside a named record_function scope; its allocation events are those whose
     # timestamps fall inside the scope's window (both on the profiler's clock).
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _memory_profile() as prof:
         run_graph(_scoped)
     windows = _record_windows(prof)
     events = _cpu_allocation_events(prof)

@@ -15,6 +15,7 @@ existed before are not counted, storages allocated inside and still alive at exi
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -32,13 +33,30 @@ class MemoryTracker:
         peak_bytes: Peak of live bytes allocated inside the context (above the level at entry).
         end_bytes: Bytes allocated inside and still live at exit.
         num_events: Allocation and free events seen (CPU only; 0 on CUDA).
+        marks: Live bytes (above the level at entry) at each :meth:`mark`, in call order.
     """
 
     device: str
     peak_bytes: int = 0
     end_bytes: int = 0
     num_events: int = 0
+    marks: list[int] = field(default_factory=list)
     _done: bool = field(default=False, repr=False)
+    _start: int = field(default=0, repr=False)
+    _sentinels: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def mark(self) -> None:
+        """Note the live bytes at this point of the block (read from ``marks`` after it exits).
+
+        On CPU the point is a one-element sentinel storage kept alive to the end of the block,
+        found again among the allocator's events; it is left out of every figure.
+        """
+        if self._done:
+            raise RuntimeError("MemoryTracker.mark(): the track_memory() block has already exited")
+        if self.device.startswith("cuda"):
+            self.marks.append(torch.cuda.memory_allocated(self.device) - self._start)
+        else:
+            self._sentinels.append(torch.empty(1))
 
 
 @contextlib.contextmanager
@@ -70,7 +88,7 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
     tracker = MemoryTracker(device=str(dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        start = torch.cuda.memory_allocated(dev)
+        start = tracker._start = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         try:
             yield tracker
@@ -85,15 +103,13 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
             f"track_memory(device={device!r}): only 'cpu' and CUDA devices are supported; "
             "pass device='cpu' or device='cuda'"
         )
-    from torch.profiler import ProfilerActivity, profile
-
     if torch._C._autograd._profiler_enabled():
         raise RuntimeError(
             "track_memory() on CPU needs the PyTorch profiler, and another torch.profiler session "
             "is already running (nested sessions record nothing). Measure outside that session, "
             "or on CUDA use track_memory('cuda')."
         )
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    prof = _memory_profile()
     prof.__enter__()
     try:
         yield tracker
@@ -109,9 +125,19 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
                 "track_memory(): another torch.profiler session was started and stopped inside "
                 "the block, which ended the one measuring memory, so nothing was recorded. "
                 "Start other profilers outside track_memory(), or measure on CUDA.")
+        # Each sentinel is alive to the end, so its allocation is the last one at its address.
+        sentinel_at, sentinels = {}, {t.data_ptr() for t in tracker._sentinels}
+        for i, (_, ptr, size) in enumerate(events):
+            if size > 0 and ptr in sentinels:
+                sentinel_at[ptr] = i
+        at_index = {i: ptr for ptr, i in sentinel_at.items()}
+        mark_bytes: dict[int, int] = {}
         live: dict[int, int] = {}
         current = peak = 0
-        for _, ptr, size in events:
+        for i, (_, ptr, size) in enumerate(events):
+            if i in at_index:
+                mark_bytes[ptr] = current
+                continue
             if size > 0:
                 live[ptr] = live.get(ptr, 0) + size
                 current += size
@@ -119,8 +145,20 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
             elif ptr in live:  # frees of storages allocated before entry do not count
                 current -= live.pop(ptr)
         tracker.peak_bytes, tracker.end_bytes = peak, current
+        tracker.marks = [mark_bytes.get(t.data_ptr(), 0) for t in tracker._sentinels]
+        tracker._sentinels.clear()
         tracker.num_events = len(events)
         tracker._done = True
+
+
+def _memory_profile() -> "torch.profiler.profile":
+    """A CPU ``torch.profiler`` session that records allocator events, without Kineto's
+    ``USDT: ... profiler_start`` / ``profiler_stop`` lines on stderr for every session (its log
+    level is read when the first session starts; a level the user set is kept)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above USDT, Kineto's loudest level
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
 
 
 def _cpu_allocation_events(prof: "torch.profiler.profile") -> list[tuple[int, int, int]]:

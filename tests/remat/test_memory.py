@@ -16,6 +16,21 @@ def test_peak_and_end_bytes_are_exact():
     assert view.numel() == 2**20
 
 
+def test_marks_read_the_live_bytes_at_each_point_and_cost_nothing():
+    with remat.track_memory() as mem:
+        a = torch.ones(1024, 1024)  # 4 MiB
+        mem.mark()
+        b = torch.ones(512, 1024)  # 2 MiB
+        del a
+        mem.mark()
+        mem.mark()  # back to back: same level
+        del b
+    assert mem.marks == [4 * 2**20, 2 * 2**20, 2 * 2**20]
+    assert mem.peak_bytes == 6 * 2**20 and mem.end_bytes == 0  # sentinels are left out
+    with pytest.raises(RuntimeError, match="already exited"):
+        mem.mark()
+
+
 def test_frees_of_older_storages_do_not_count():
     old = torch.ones(1024, 1024)
     with remat.track_memory() as mem:
@@ -67,3 +82,21 @@ def test_a_profiler_ended_inside_track_memory_raises_instead_of_reading_zero():
             torch.ones(1024)
             with torch.profiler.profile():
                 torch.ones(1024)
+
+
+def test_measuring_prints_nothing_on_stderr():
+    """Kineto logs ``USDT: ... profiler_start/stop`` for every profiler session by default."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, remat\n"
+            "for _ in range(3):\n"
+            "    with remat.track_memory() as m:\n"
+            "        torch.ones(1024)\n"
+            "assert m.peak_bytes == 4096\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "USDT" not in done.stderr and "profiler_st" not in done.stderr, done.stderr
