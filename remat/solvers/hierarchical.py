@@ -71,7 +71,7 @@ class HierarchicalSolver:
         leaf_ops: blocks with at most this many forward ops are leaves (default 40).
         max_block_ops: largest segment kept whole when cutting a level (default 120).
         option_time_limit: seconds per leaf ILP solve (default: a share of ``time_limit``).
-        progress: show a progress bar while block options are computed (default ``True``).
+        progress: show one progress bar per solve over its phases (default ``True``).
         block_ilp: where storages cross several top-level blocks (a U-Net's skips), also solve
             the upper level with the block ILP (NOTE [ The block ILP ]; default ``True``).
         exact_top: also solve graphs small enough for it with the exact ILP and keep the faster
@@ -89,20 +89,30 @@ class HierarchicalSolver:
         # hierarchy then skips the ILP options of mid-sized blocks, which that solve subsumes.
         exact_top = (self.use_ilp and problem.options.get("exact_top", True)
                      and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES)
-        # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
-        # neither wins everywhere, and the simulator tells which schedule is faster.
-        found = [self._hierarchical(problem, self.use_ilp, deadline, rule, mid_ilp=not exact_top)
-                 for rule in REGION_RULES]
-        if self.use_ilp:
-            # The same hierarchies with keep-all/keep-nothing options only: cheap, and their DP
-            # model is sometimes the more accurate one at very low budgets.
-            found += [self._hierarchical(problem, False, deadline, rule) for rule in REGION_RULES]
-            remaining = deadline - time.perf_counter()
-            if exact_top and remaining > 2.0:
-                found.append(ILPSolver().solve(Problem(
-                    graph, problem.budget_bytes,
-                    time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit),
-                    options={"max_nodes": _TOP_ILP_NODES})))
+        phases = len(REGION_RULES) * (2 if self.use_ilp else 1) + int(exact_top)
+        bar = _SolveProgress(bool(problem.options.get("progress", True)), phases,
+                             problem.time_limit)
+        try:
+            # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
+            # neither wins everywhere, and the simulator tells which schedule is faster.
+            found = [self._hierarchical(problem, self.use_ilp, deadline, rule, bar,
+                                        mid_ilp=not exact_top)
+                     for rule in REGION_RULES]
+            if self.use_ilp:
+                # The same hierarchies with keep-all/keep-nothing options only: cheap, and their
+                # DP model is sometimes the more accurate one at very low budgets.
+                found += [self._hierarchical(problem, False, deadline, rule, bar)
+                          for rule in REGION_RULES]
+                remaining = deadline - time.perf_counter()
+                if exact_top:
+                    bar.phase("exact ILP of the whole graph")
+                    if remaining > 2.0:
+                        found.append(ILPSolver().solve(Problem(
+                            graph, problem.budget_bytes,
+                            time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit),
+                            options={"max_nodes": _TOP_ILP_NODES})))
+        finally:
+            bar.close()
         feasible = [r for r in found if r.schedule is not None and r.status != "infeasible"]
         if feasible:
             best = min(feasible, key=lambda r: r.simulation.time)
@@ -114,15 +124,18 @@ class HierarchicalSolver:
         return finish(self.name, problem, lowest.schedule, started, proven=False,
                       detail=f"{lowest.solver}: {lowest.detail}")
 
-    def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str, *,
-                      mid_ilp: bool = False) -> SolveResult:
+    def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,
+                      bar: "_SolveProgress | None" = None, *, mid_ilp: bool = False
+                      ) -> SolveResult:
         started = time.perf_counter()
         graph = problem.graph
-        ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp)
+        bar = bar or _SolveProgress(False, 1, problem.time_limit)
+        bar.phase(f"{'block options' if use_ilp else 'keep/recompute blocks'}, "
+                  f"regions by {regions}")
+        ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp, bar=bar)
         chain = chain_structure(graph, max_block_ops=ctx.max_block_ops, regions=regions)
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
-        ctx.close()
         table = solve_chain(_stages(chain, options), chain.cut_bytes[-1],
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
                             slots=_SLOTS)
@@ -158,7 +171,7 @@ class _Context:
     """Shared state of one hierarchical solve: the option cache keyed by block structure."""
 
     def __init__(self, use_ilp: bool, problem: Problem, deadline: float, regions: str = "reads",
-                 *, mid_ilp: bool = False) -> None:
+                 *, mid_ilp: bool = False, bar: "_SolveProgress | None" = None) -> None:
         opts = problem.options
         self.use_ilp = use_ilp
         self.mid_ilp = use_ilp and mid_ilp
@@ -169,7 +182,7 @@ class _Context:
         self.deadline = deadline
         self.cache: dict[str, BlockOptions] = {}
         self.solved = self.reused = 0
-        self.bar = _progress(bool(opts.get("progress", True)))
+        self.bar = bar or _SolveProgress(False, 1, problem.time_limit)
 
     def options_of(self, sub: RematGraph, depth: int) -> BlockOptions:
         sig = block_signature(sub)
@@ -179,7 +192,7 @@ class _Context:
         self.solved += 1
         result = self._solve_block(sub, depth)
         self.cache[sig] = result
-        self.bar.update(1)
+        self.bar.block()
         return result
 
     def _solve_block(self, sub: RematGraph, depth: int) -> BlockOptions:
@@ -229,8 +242,6 @@ class _Context:
             nosave_peak=leaf.nosave_peak,
         )
 
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _grid(table: ChainTable, points: int = 16) -> list[int]:
@@ -327,21 +338,46 @@ def assemble(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions
     return tidy(graph, remake_views(graph, draft))
 
 
-def _progress(enabled: bool):
-    """A progress bar over solved blocks (tqdm, if installed); it appears after 3 s."""
+class _SolveProgress:
+    """One progress bar per solve (tqdm, if installed; it appears after 3 s): its steps are the
+    solve's phases, each labelled, with the blocks solved so far; the description gives the time
+    limit that caps the whole solve, whatever tqdm's estimate from the phases done says."""
 
-    class _Null:
-        def update(self, n: int) -> None: ...
+    def __init__(self, enabled: bool, phases: int, time_limit: float) -> None:
+        self._bar = None
+        self._done = -1
+        self._blocks = 0
+        self._label = ""
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=phases, desc=f"remat: solving (at most {time_limit:g} s)",
+                         unit="phase", leave=False, delay=3.0)
 
-        def close(self) -> None: ...
+    def phase(self, label: str) -> None:
+        """Start the next phase (the previous one is done)."""
+        self._done += 1
+        self._label = label
+        if self._bar is not None:
+            if self._done:
+                self._bar.update(1)
+            self._show()
 
-    if not enabled:
-        return _Null()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _Null()
-    return tqdm(desc="remat: solving blocks", unit="block", leave=False, delay=3.0)
+    def block(self) -> None:
+        """One more distinct block solved in this solve."""
+        self._blocks += 1
+        if self._bar is not None:
+            self._show()
+
+    def _show(self) -> None:
+        self._bar.set_postfix_str(f"{self._label}; {self._blocks} blocks solved", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 class DPSolver(HierarchicalSolver):

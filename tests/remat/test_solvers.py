@@ -184,3 +184,41 @@ def test_mip_node_limit_returns_the_incumbent_not_a_crash():
     assert prob.sol_status == pulp.LpSolutionIntegerFeasible
     chosen = [round(x.value()) for x in xs]
     assert all(sum(c * x for c, x in zip(weights, chosen)) <= cap for weights, cap in rows)
+
+
+def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
+    """Issue 13: one bar per solve, with a known total, labelled phases and the time limit."""
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.postfixes, self.closed = kwargs, 0, [], False
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfixes.append(text)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
+    get_solver("hierarchical").solve(Problem(graph, int(0.6 * baseline(graph)), time_limit=20))
+    assert len(bars) == 1
+    bar = bars[0]
+    total = bar.kwargs["total"]
+    assert total == 5 and bar.kwargs["unit"] == "phase" and "at most 20 s" in bar.kwargs["desc"]
+    assert bar.n == total - 1 and bar.closed  # the last phase ends with the bar
+    labels = list(dict.fromkeys(p.split(";")[0] for p in bar.postfixes))
+    assert labels == ["block options, regions by reads", "block options, regions by module",
+                      "keep/recompute blocks, regions by reads",
+                      "keep/recompute blocks, regions by module", "exact ILP of the whole graph"]
+    assert bar.postfixes[-1].endswith("blocks solved")
+    get_solver("hierarchical").solve(Problem(graph, int(0.6 * baseline(graph)),
+                                             options={"progress": False}))
+    assert len(bars) == 1
