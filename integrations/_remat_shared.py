@@ -361,9 +361,11 @@ def solve_targets(
     fatal: BaseException | None = None
     if comm.rank == 0:
         for t in targets:
-            info(f"{owner}: capturing {_label(t.name)} and solving (budget "
-                 f"{settings.budget}, solver {settings.solver!r}, time limit "
-                 f"{settings.time_limit:g} s) ...")
+            # Whether the plan cache has it is known only once the graph is captured.
+            then = (", then solving unless the plan cache has it" if len(cache) or cache.directory
+                    else " and solving")
+            info(f"{owner}: capturing {_label(t.name)}{then} (budget {settings.budget}, solver "
+                 f"{settings.solver!r}, time limit {settings.time_limit:g} s) ...")
             try:
                 _rematerialize(t, *calls[t.name], settings, cache, results[t.name],
                                measured.get(t.name))

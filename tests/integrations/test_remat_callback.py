@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def test_manual_optimization_and_a_seeded_loader_are_undisturbed(tmp_path):
     assert torch.equal(losses, plain)
 
 
-def test_resume_reuses_the_plan_and_checkpoint_loads_into_the_plain_model(tmp_path, monkeypatch):
+def test_resume_reuses_the_plan_and_checkpoint_loads_into_the_plain_model(tmp_path, monkeypatch,
+                                                                          caplog):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     model = _seeded()
@@ -218,9 +220,13 @@ def test_resume_reuses_the_plan_and_checkpoint_loads_into_the_plain_model(tmp_pa
     monkeypatch.setattr(remat.dynamo_backend, "plan_graph", no_solving)
     resumed = LitMLP()
     callback = HiRemateCallback(budget="50%", time_limit=TIME_LIMIT)
-    losses, seen = fit(resumed, callback, max_steps=14, ckpt_path=str(path),
-                       enable_checkpointing=True, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        losses, seen = fit(resumed, callback, max_steps=14, ckpt_path=str(path),
+                           enable_checkpointing=True, default_root_dir=tmp_path)
     assert callback.plans["net"].cache_hit
+    said = caplog.text  # a cache hit is not announced as a solve
+    assert "capturing 'net', then solving unless the plan cache has it" in said
+    assert "'net' ready in" in said and "(plan from the cache)" in said
     assert isinstance(seen.at_train_start.net, remat.RematModule)
     assert len(losses) == 4 and torch.isfinite(losses).all()
 
