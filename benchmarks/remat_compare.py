@@ -11,12 +11,13 @@ PyTorch measured in the same run. Methods:
 
 * ``eager``                 — unmodified PyTorch;
 * ``checkpoint(blocks)``    — ``torch.utils.checkpoint`` around every block (non-reentrant);
-* ``compile+amb=B``         — ``torch.compile(backend="aot_eager")`` with
+* ``torch.compile(budget=B)`` — ``torch.compile(backend="aot_eager")`` with
   ``torch._functorch.config.activation_memory_budget = B`` (PyTorch's own budgeted partitioner);
 * ``remat(B)``              — ``remat.rematerialize(model, batch, budget=B)``.
 
-Gradients of every method are compared with eager's (max abs difference). Not a test: it never
-fails on times; the numbers go in the issue notes.
+Gradients of every method are compared with eager's (max abs difference); a legend under the
+table defines every column and explains any difference. Not a test: it never fails on times; the
+numbers go in the issue notes.
 """
 from __future__ import annotations
 
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             m = copy.deepcopy(model)
             with torch._functorch.config.patch(activation_memory_budget=frac):
                 cm = torch.compile(m, backend="aot_eager", dynamic=False)
-                row, _ = measure(f"compile+amb={frac:g}", m, lambda: loss_of(cm(*batch)), ref, args.steps)
+                row, _ = measure(f"torch.compile(budget={frac:g})", m, lambda: loss_of(cm(*batch)),
+                                 ref, args.steps)
             rows.append(row)
         torch._dynamo.reset()
         m = copy.deepcopy(model)
@@ -198,22 +200,52 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows.append(Row(f"remat({b:g}%)", 0, float("nan"), float("nan"), f"error: {e}"[:90]))
             continue
         plan = rm.plan
-        note = (f"pred {plan.predicted_step_ratio:.3f}x eager (compiled baseline "
-                f"{plan.baseline_bytes / max(plan.eager_bytes, 1):.3f}x), "
-                f"+{100 * plan.predicted_overhead:.0f}% time, solve {plan.solve_time_s:.1f}s "
-                f"({plan.status})")
+        status = {"optimal": "proven optimal", "feasible": "fits, not proven optimal"}
+        note = (f"predicted peak/eager {plan.predicted_step_ratio:.3f} (unmodified capture "
+                f"{plan.baseline_bytes / max(plan.eager_bytes, 1):.3f}), predicted time "
+                f"+{100 * plan.predicted_overhead:.0f}%, solved in {plan.solve_time_s:.1f} s "
+                f"({status.get(plan.status, plan.status)})")
         row, _ = measure(f"remat({b:g}%)", m, lambda: loss_of(rm(*batch)), ref, args.steps, note)
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
         rows.append(row)
 
     size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
-    print(f"\nmodel={args.model} {size} batch={args.batch} solver={args.solver} "
-          f"torch={torch.__version__} threads={torch.get_num_threads()}")
-    print(f"{'method':<26}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}{'grad diff':>11}  notes")
-    for r in rows:
-        print(f"{r.method:<26}{r.peak / 2**20:>10.2f}{r.peak / eager_row.peak:>12.3f}"
-              f"{r.step_s / eager_row.step_s:>12.3f}{r.grad_diff:>11.2e}  {r.note}")
+    print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
+          f"torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"(median of {args.steps} steps)")
+    print(report(rows, eager_row, dropout=args.dropout if args.model == "gpt" else 0.0))
     return rows
+
+
+def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
+    """The table, then a legend that defines each column and explains every difference."""
+    lines = [f"{'method':<28}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}"
+             f"{'grad diff':>11}  notes"]
+    for r in rows:
+        lines.append(f"{r.method:<28}{r.peak / 2**20:>10.2f}{r.peak / eager.peak:>12.3f}"
+                     f"{r.step_s / eager.step_s:>12.3f}{r.grad_diff:>11.2e}  {r.note}")
+    lines += [
+        "",
+        "peak MiB:   measured peak of the bytes one training step allocates (forward, loss, "
+        "backward;",
+        "            the CPU allocator's events or the CUDA allocator: remat.track_memory)",
+        "peak/eager, time/eager: that peak and the median step time over eager PyTorch's, "
+        "this run",
+        "grad diff:  largest absolute difference of any parameter gradient from eager's",
+        "checkpoint(N blocks): torch.utils.checkpoint (non-reentrant) around each of N blocks",
+        "torch.compile(budget=B): torch.compile(backend='aot_eager') with "
+        "torch._functorch.config.activation_memory_budget=B",
+        "remat(B%):  remat.rematerialize(model, *batch, budget='B%') (B% of eager's measured "
+        "step peak)",
+    ]
+    if any(r.grad_diff > 0 for r in rows if r.method.startswith("torch.compile")) and dropout:
+        lines.append(
+            f"torch.compile's gradients differ: its partitioner recomputes dropout (p={dropout:g}) "
+            "by drawing a new mask (random ops are not functionalized on CPU); remat never "
+            "re-draws random ops")
+    elif any(r.grad_diff > 0 for r in rows if r.method.startswith(("torch", "remat"))):
+        lines.append("a nonzero grad diff means that method computes other gradients than eager")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ size (what ``DataCollatorWithPadding`` produces). Per method it prints:
 * ``time/eager`` — total steady step time over eager's total (each batch is run twice; the
   second run is timed).
 
-Methods: eager; ``torch.utils.checkpoint`` around every block; ``torch.compile(dynamic=True)``
-with ``activation_memory_budget``; ``remat.rematerialize`` (the example is the first batch).
+Methods: eager; ``torch.utils.checkpoint`` around every block; ``torch.compile(budget=B)``:
+``torch.compile(dynamic=True)`` with ``torch._functorch.config.activation_memory_budget = B``;
+``remat.rematerialize`` (the example is the first batch).
 Not a test: it never fails on times; the numbers go in the issue notes.
 """
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     m = copy.deepcopy(model)
     with torch._functorch.config.patch(activation_memory_budget=frac):
         cm = torch.compile(m, backend="aot_eager", dynamic=True)
-        results.append(run(f"compile+amb={frac:g} dyn", lambda b: cm(*b), data, eager_peaks,
+        results.append(run(f"torch.compile(budget={frac:g})", lambda b: cm(*b), data, eager_peaks,
                            ref_grads, list(m.parameters())))
 
     m = copy.deepcopy(model)
@@ -154,14 +155,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
         for k, plan in enumerate(rm.plans):
             print(f"plan {k}: {plan.detail}")
 
-    print(f"\nGPT layers={cfg.n_layer} d={cfg.d_model} batches={len(data)} "
+    print(f"remat_shapes: GPT layers={cfg.n_layer} d={cfg.d_model} batches={len(data)} "
           f"(batch 1-{args.max_batch}, len {args.min_len}-{args.max_len}, "
           f"{len({tuple(b[0].shape) for b in data})} shapes) budget={args.budget:g}% "
           f"torch={torch.__version__} threads={torch.get_num_threads()}")
-    print(f"{'method':<26}{'setup s':>9}{'run peak/eager':>16}{'per batch max':>15}{'mean':>7}"
+    print(f"{'method':<28}{'setup s':>9}{'run peak/eager':>16}{'per batch max':>15}{'mean':>7}"
           f"{'time/eager':>12}{'exact':>7}  notes")
     for r in results:
-        print(f"{r.method:<26}{r.setup_s:>9.1f}{max(r.peaks) / max(eager_peaks):>16.3f}"
+        print(f"{r.method:<28}{r.setup_s:>9.1f}{max(r.peaks) / max(eager_peaks):>16.3f}"
               f"{max(r.ratios):>15.3f}{statistics.mean(r.ratios):>7.3f}"
               f"{r.step_s / eager.step_s:>12.3f}{str(r.exact):>7}  {r.note}")
     return results
