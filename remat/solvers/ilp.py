@@ -55,9 +55,30 @@ MIP_REL_GAP = 5e-3
 
 
 class _HiGHS(pulp.HiGHS):
-    """PuLP's HiGHS interface, knowing one more status: when ``mip_max_nodes`` stops the
-    search HiGHS reports ``kSolutionLimit``, which PuLP 3.3 has no entry for (``KeyError``
-    after the variables were already filled in). Reported like PuLP reports a time limit."""
+    """PuLP's HiGHS interface, with two fixes.
+
+    * One more status: when ``mip_max_nodes`` stops the search HiGHS reports
+      ``kSolutionLimit``, which PuLP 3.3 has no entry for (``KeyError`` after the variables were
+      already filled in). Reported like PuLP reports a time limit.
+    * Ctrl-C: HiGHS runs in C and Python sees a ``SIGINT`` only when it returns (up to the whole
+      time limit: 88 s measured). It runs in highspy's solver thread instead, while this thread
+      waits in short slices; on ``KeyboardInterrupt`` the solve is cancelled through HiGHS's
+      interrupt callbacks and the interrupt is raised again once HiGHS has stopped.
+    """
+
+    def callSolver(self, lp):  # noqa: N802 - PuLP's name
+        model = lp.solverModel
+        if not hasattr(model, "startSolve"):  # highspy < 1.7: no solver thread
+            return super().callSolver(lp)
+        model.HandleUserInterrupt = True
+        model.startSolve()
+        try:
+            while not model.wait(0.05)[0]:
+                pass
+        except KeyboardInterrupt:
+            model.cancelSolve()
+            model.wait()
+            raise
 
     def findSolutionValues(self, lp):  # noqa: N802 - PuLP's name
         try:

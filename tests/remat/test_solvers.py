@@ -222,3 +222,50 @@ def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
     get_solver("hierarchical").solve(Problem(graph, int(0.6 * baseline(graph)),
                                              options={"progress": False}))
     assert len(bars) == 1
+
+
+@pytest.mark.parametrize("solver", ["ilp", "hierarchical"])
+def test_ctrl_c_stops_a_solve_within_a_second(solver):
+    """Issue 14: HiGHS ran to its time limit (88 s measured) before Python saw a SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    code = (
+        "import random, time\n"
+        "from tests.remat.graphs import chain\n"
+        "from remat.liveness import peak_lower_bound\n"
+        "from remat.schedule import save_all_schedule, simulate\n"
+        "from remat.solvers import Problem, get_solver\n"
+        "random.seed(0)\n"
+        "graph = chain([random.uniform(0.2, 3) for _ in range(60)], act=100, grad=10, "
+        "per_layer=4)\n"
+        "base, low = simulate(graph, save_all_schedule(graph)).peak_bytes, "
+        "peak_lower_bound(graph)\n"
+        "print('solving', flush=True)\n"
+        "try:\n"
+        f"    get_solver({solver!r}).solve(Problem(graph, int(low + 0.3 * (base - low)), "
+        "time_limit=120, options={'progress': False}))\n"
+        "    print('finished', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', time.monotonic(), flush=True)\n")
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "solving", child.stderr.read()
+        time.sleep(3.0)  # well inside the solve (the ILP alone needs > 15 s on this graph)
+        assert child.poll() is None, "the solve ended before the interrupt; the test proves nothing"
+        sent = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    said, _, when = out.strip().partition(" ")
+    assert said == "interrupted", (out, err)
+    waited = float(when) - sent
+    assert waited < 1.0, f"{solver}: {waited:.2f} s from Ctrl-C to KeyboardInterrupt"
