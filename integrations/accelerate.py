@@ -2,10 +2,11 @@
 
 Three ways in, from least to most code change::
 
-    # 1. the launcher flag: no code change if the script builds a HiRemateAccelerator
-    HIREMATE_BUDGET=50% accelerate launch train.py
+    # 1. the launcher flag: no code change; every Accelerator the script builds rematerializes
+    #    the models it prepares (python -m integrations.accelerate train.py for one process)
+    HIREMATE_BUDGET=50% accelerate launch -m integrations.accelerate train.py --lr 1e-3
 
-    # 2. in the script
+    # 2. in the script (then a plain `HIREMATE_BUDGET=50% accelerate launch train.py` works too)
     from integrations.accelerate import HiRemateAccelerator, HiRematePlugin
     accelerator = HiRemateAccelerator(hiremate_plugin=HiRematePlugin(budget="50%"))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -15,8 +16,9 @@ Three ways in, from least to most code change::
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
 Accelerate rejects unknown kwargs handlers, launch-config keys and CLI flags, so the flag is a set
-of environment variables read by :meth:`HiRematePlugin.from_env`. Papers: HiRemate (Gusak et al.,
-ICML 2025), Rockmate (Zhao et al., ICML 2023).
+of environment variables read by :meth:`HiRematePlugin.from_env`. The launcher (1.) lives in
+:mod:`integrations._accelerate_launch`; ``python -m integrations.accelerate`` runs it. Papers:
+HiRemate (Gusak et al., ICML 2025), Rockmate (Zhao et al., ICML 2023).
 
 NOTE [ The example batch in prepare() ]
     ``prepare`` needs one real batch to capture and profile the model. It reads the first batch of
@@ -28,7 +30,8 @@ NOTE [ The example batch in prepare() ]
     passed as keyword arguments (``model(**batch)``, Hugging Face style), a tensor as the only
     argument, a tuple or list as ``(inputs, targets, ...)`` (``model(batch[0])``). For anything
     else call :meth:`HiRemateAccelerator.rematerialize` (or :func:`rematerialize_for_accelerate`)
-    with a batch in one of these forms before ``prepare``.
+    with a batch in one of these forms before ``prepare``; ``prepare`` itself warns and leaves
+    the model unmodified (``strict``: raises), as when it sees no ``DataLoader``.
 
 NOTE [ Wrapping order ]
     The model is rematerialized *before* Accelerate prepares it: ``prepare`` then moves and wraps
@@ -231,42 +234,48 @@ def _parse_env(name: str, key: str, raw: str) -> Any:
     return value
 
 
-def _check_supported(accelerator: Accelerator) -> None:
+def _check_supported(accelerator: Accelerator, owner: str = _OWNER) -> None:
     kind = accelerator.distributed_type
     if kind not in _SUPPORTED:
         allowed = ", ".join(f"{k.value} ({v})" for k, v in _SUPPORTED.items())
         raise ValueError(
-            f"{_OWNER}: distributed_type={kind.value} is not supported yet; supported: {allowed}. "
+            f"{owner}: distributed_type={kind.value} is not supported yet; supported: {allowed}. "
             "Sharded setups (DeepSpeed, FSDP, Megatron-LM) shard or replace the parameters remat "
             "captures: unset HIREMATE_BUDGET and use their own activation checkpointing."
         )
     config = getattr(accelerator, "parallelism_config", None)
     if config is not None and (getattr(config, "tp_enabled", False) or
                                getattr(config, "cp_enabled", False)):
-        raise ValueError(f"{_OWNER}: tensor/context parallelism is not supported yet; unset "
+        raise ValueError(f"{owner}: tensor/context parallelism is not supported yet; unset "
                          "HIREMATE_BUDGET or disable it in the parallelism config")
     backend = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
     if backend is not None and getattr(backend, "value", backend) != "NO":
         raise ValueError(
-            f"{_OWNER}: dynamo_backend={getattr(backend, 'value', backend)} would compile the "
+            f"{owner}: dynamo_backend={getattr(backend, 'value', backend)} would compile the "
             "model a second time; remat compiles it itself. Launch without --dynamo_backend "
             "(or pass dynamo_backend='no')."
         )
 
 
-def _call_args(batch: Any) -> tuple[tuple, dict]:
+def _batch_problem(batch: Any) -> Optional[str]:
+    """Why the model cannot be called on ``batch`` by the convention, or ``None``."""
+    if isinstance(batch, (Mapping, torch.Tensor)) or (isinstance(batch, (tuple, list)) and batch):
+        return None
+    return (f"cannot call the model on a batch of type {type(batch).__name__}; pass a mapping of "
+            "keyword arguments, a tensor, or an (inputs, targets) tuple to "
+            "rematerialize_for_accelerate / HiRemateAccelerator.rematerialize")
+
+
+def _call_args(batch: Any, owner: str = _OWNER) -> tuple[tuple, dict]:
     """How the model is called on a batch; see NOTE [ The example batch in prepare() ]."""
+    problem = _batch_problem(batch)
+    if problem is not None:
+        raise TypeError(f"{owner}: {problem}")
     if isinstance(batch, Mapping):
         return (), dict(batch)
     if isinstance(batch, torch.Tensor):
         return (batch,), {}
-    if isinstance(batch, (tuple, list)) and batch:
-        return (batch[0],), {}
-    raise TypeError(
-        f"{_OWNER}: cannot call the model on a batch of type {type(batch).__name__}; pass a "
-        "mapping of keyword arguments, a tensor, or an (inputs, targets) tuple to "
-        "rematerialize_for_accelerate / HiRemateAccelerator.rematerialize"
-    )
+    return (batch[0],), {}
 
 
 def _collectives(accelerator: Accelerator) -> Collectives:
@@ -285,12 +294,12 @@ def _collectives(accelerator: Accelerator) -> Collectives:
 
 def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
                    settings: RematSettings, cache: PlanCache, *,
-                   device_placement: Optional[bool] = None
+                   device_placement: Optional[bool] = None, owner: str = _OWNER
                    ) -> tuple[nn.Module, dict[str, TargetResult]]:
     """Rematerialize ``model`` (or its named submodules) on ``batch``; returns the model to use."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: expected an nn.Module")
-    _check_supported(accelerator)
+    _check_supported(accelerator, owner)
     main = accelerator.is_main_process
     wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
     base = model.module if wrapped else model
@@ -298,19 +307,19 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
         return model, {}
     if settings.module is None:
         if wrapped:
-            raise TypeError(f"{_OWNER}: the model is already wrapped by DistributedDataParallel; "
+            raise TypeError(f"{owner}: the model is already wrapped by DistributedDataParallel; "
                             "rematerialize it before accelerator.prepare(...), or name the "
                             "submodules to rematerialize with module=...")
         targets = [Target("", None, "", base, explicit=True)]
     else:
-        targets = resolve_names(base, settings.module, owner=_OWNER)
+        targets = resolve_names(base, settings.module, owner=owner)
     placement = accelerator.device_placement if device_placement is None else device_placement
     if placement and not wrapped:
         base.to(accelerator.device)
     params = [p for p in base.parameters()]
     device = params[0].device if params else accelerator.device
     batch = send_to_device(batch, device)
-    args, kwargs = _call_args(batch)
+    args, kwargs = _call_args(batch, owner)
 
     def info(message: str) -> None:
         if settings.verbose and main:
@@ -330,17 +339,17 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
                     base(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - the batch convention may not fit
                     raise TypeError(
-                        f"{_OWNER}: calling {type(base).__name__} on the example batch failed "
+                        f"{owner}: calling {type(base).__name__} on the example batch failed "
                         f"({type(e).__name__}: {e}); pass a batch the model accepts to "
                         "HiRemateAccelerator.rematerialize / rematerialize_for_accelerate "
                         "(see NOTE [ The example batch in prepare() ])") from e
             calls = dict(recorded)
             missing = [t.name for t in targets if t.name not in calls]
             if missing:
-                raise ValueError(f"{_OWNER}(module={list(settings.module)!r}): "
+                raise ValueError(f"{owner}(module={list(settings.module)!r}): "
                                  f"{', '.join(map(repr, missing))} was not called by the model's "
                                  "forward on the example batch; name modules the forward runs")
-        results = solve_targets(targets, calls, settings, cache, owner=_OWNER,
+        results = solve_targets(targets, calls, settings, cache, owner=owner,
                                 comm=_collectives(accelerator), info=info, warn=warn)
     for target in targets:
         rm = results[target.name].remat_module
@@ -351,7 +360,7 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
         else:
             setattr(target.parent, target.attr, rm)
     if settings.verbose and main:
-        log.info(format_table(results, settings, owner=_OWNER))
+        log.info(format_table(results, settings, owner=owner))
     return model, results
 
 
@@ -392,14 +401,97 @@ def rematerialize_for_accelerate(accelerator: Accelerator, model: nn.Module, bat
         raise TypeError(f"plugin={plugin!r}: expected a HiRematePlugin or None")
     model, _ = _rematerialize(accelerator, model, batch, plugin.settings,
                               PlanCache(plugin.settings.cache_dir))
+    model._hiremate_done = True  # a prepare() that rematerializes must not do it again
     return model
+
+
+# ---- what HiRemateAccelerator and the launcher share ---------------------------------------------
+#
+# NOTE [ One implementation, two ways in ]
+#     ``HiRemateAccelerator`` (a subclass, settings from its plugin or HIREMATE_*) and the
+#     launcher (``python -m integrations.accelerate``, which wraps ``Accelerator.prepare`` for
+#     every instance: see ``integrations/_accelerate_launch.py``) run the same code. ``_attach``
+#     gives an accelerator the state ``prepare`` needs (``hiremate_plugin``, ``hiremate_results``
+#     and a plan cache), ``_rematerialize_prepared`` rematerializes the modules among
+#     ``prepare``'s arguments, ``_original`` is what ``unwrap_model`` adds. Every model either
+#     way (or ``rematerialize_for_accelerate``) has handled is marked ``_hiremate_done``, and the
+#     launcher leaves ``HiRemateAccelerator`` instances to their own ``prepare``, so nothing is
+#     rematerialized twice.
+
+
+def _attach(accelerator: Accelerator, plugin: Optional[HiRematePlugin]) -> None:
+    """Give ``accelerator`` the settings, results and plan cache of NOTE [ One implementation, two
+    ways in ] (``plugin=None``: rematerialization off)."""
+    accelerator.hiremate_plugin = plugin
+    accelerator.hiremate_results = {}
+    accelerator._hiremate_cache = None if plugin is None else PlanCache(plugin.settings.cache_dir)
+
+
+def _rematerialize_one(accelerator: Accelerator, model: nn.Module, batch: Any, *, owner: str,
+                       device_placement: Optional[bool] = None) -> nn.Module:
+    """Rematerialize ``model`` on ``batch`` with the attached settings; records the results."""
+    result, results = _rematerialize(accelerator, model, batch,
+                                     accelerator.hiremate_plugin.settings,
+                                     accelerator._hiremate_cache,
+                                     device_placement=device_placement, owner=owner)
+    accelerator.hiremate_results.update(results)
+    result._hiremate_done = True  # prepare() must not do it again
+    return result
+
+
+def _rematerialize_prepared(accelerator: Accelerator, args: list,
+                            device_placement: Optional[list], *, owner: str,
+                            advice: str) -> list:
+    """``prepare``'s arguments with their models rematerialized on the first batch of a loader.
+
+    See NOTE [ The example batch in prepare() ]; ``advice`` says what to do when ``prepare`` sees
+    no DataLoader.
+    """
+    todo = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
+            and not getattr(obj, "_hiremate_done", False)
+            and not getattr(obj, "_is_accelerate_prepared", False)]
+    if not todo:
+        return args
+    loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+    loaders = loaders or list(accelerator._dataloaders)
+    settings = accelerator.hiremate_plugin.settings
+    try:
+        if not loaders:
+            raise CannotDrawBatch("prepare() got no DataLoader to read an example batch from "
+                                  f"(and none was prepared before); {advice}")
+        with isolated_rng():
+            batch = first_batch(loaders[0])
+        if _batch_problem(batch) is not None:  # a script left as it is keeps training
+            raise CannotDrawBatch(f"its first batch does not fit: {_batch_problem(batch)}")
+    except CannotDrawBatch as e:
+        if settings.strict:
+            raise ValueError(f"{owner}: {e}") from e
+        if accelerator.is_main_process:
+            warnings.warn(f"{owner}: the model trains unmodified (strict=False): {e}",
+                          stacklevel=3)
+        return args
+    if accelerator.split_batches and accelerator.num_processes > 1:
+        share = find_batch_size(batch) // accelerator.num_processes
+        batch = slice_tensors(batch, slice(0, share))
+    for i in todo:
+        placement = None if device_placement is None else device_placement[i]
+        args[i] = _rematerialize_one(accelerator, args[i], batch, owner=owner,
+                                     device_placement=placement)
+    return args
+
+
+def _original(model: nn.Module) -> nn.Module:
+    """The user's module behind a :class:`remat.RematModule` (anything else as it is)."""
+    return model.original if isinstance(model, RematModule) else model
 
 
 class HiRemateAccelerator(Accelerator):
     """An ``Accelerator`` whose ``prepare`` rematerializes the models it is given.
 
     Every other behaviour is Accelerate's. Without a plugin and without ``HIREMATE_BUDGET`` in the
-    environment it is a plain ``Accelerator``.
+    environment it is a plain ``Accelerator``. To rematerialize a script that builds a plain
+    ``Accelerator`` without editing it, launch it with ``python -m integrations.accelerate``
+    instead (the same code runs; NOTE [ One implementation, two ways in ]).
 
     Args:
         *args: ``Accelerator`` arguments.
@@ -429,12 +521,9 @@ class HiRemateAccelerator(Accelerator):
             raise TypeError(f"hiremate_plugin={hiremate_plugin!r}: expected a HiRematePlugin or "
                             "None (read HIREMATE_* variables)")
         super().__init__(*args, **kwargs)
-        self.hiremate_plugin = hiremate_plugin
-        self.hiremate_results: dict[str, TargetResult] = {}
-        self._hiremate_cache = None
+        _attach(self, hiremate_plugin)
         if hiremate_plugin is not None:
             _check_supported(self)
-            self._hiremate_cache = PlanCache(hiremate_plugin.settings.cache_dir)
 
     def rematerialize(self, model: nn.Module, batch: Any, *,
                       device_placement: Optional[bool] = None) -> nn.Module:
@@ -452,11 +541,8 @@ class HiRemateAccelerator(Accelerator):
         if self.hiremate_plugin is None:
             raise ValueError(f"{_OWNER}.rematerialize: no HiRematePlugin; pass "
                              "hiremate_plugin=HiRematePlugin(...) or set HIREMATE_BUDGET")
-        result, results = _rematerialize(self, model, batch, self.hiremate_plugin.settings,
-                                         self._hiremate_cache, device_placement=device_placement)
-        self.hiremate_results.update(results)
-        result._hiremate_done = True  # prepare() must not do it again
-        return result
+        return _rematerialize_one(self, model, batch, owner=_OWNER,
+                                  device_placement=device_placement)
 
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
         """Rematerialize the models among ``args``, then ``Accelerator.prepare`` everything.
@@ -464,44 +550,23 @@ class HiRemateAccelerator(Accelerator):
         See NOTE [ The example batch in prepare() ] and NOTE [ Wrapping order ].
         """
         if self.hiremate_plugin is not None:
-            args = self._rematerialize_models(list(args), device_placement)
+            args = _rematerialize_prepared(
+                self, list(args), device_placement, owner=_OWNER,
+                advice="pass the training DataLoader in the same prepare() call, or call "
+                       "accelerator.rematerialize(model, batch) first")
         return super().prepare(*args, device_placement=device_placement)
-
-    def _rematerialize_models(self, args: list, device_placement: Optional[list]) -> list:
-        todo = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
-                and not getattr(obj, "_hiremate_done", False)
-                and not getattr(obj, "_is_accelerate_prepared", False)]
-        if not todo:
-            return args
-        loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
-        loaders = loaders or list(self._dataloaders)
-        settings = self.hiremate_plugin.settings
-        try:
-            if not loaders:
-                raise CannotDrawBatch(
-                    "prepare() got no DataLoader to read an example batch from (and none was "
-                    "prepared before); pass the training DataLoader in the same prepare() call, "
-                    "or call accelerator.rematerialize(model, batch) first")
-            with isolated_rng():
-                batch = first_batch(loaders[0])
-        except CannotDrawBatch as e:
-            if settings.strict:
-                raise ValueError(f"{_OWNER}: {e}") from e
-            if self.is_main_process:
-                warnings.warn(f"{_OWNER}: the model trains unmodified (strict=False): {e}",
-                              stacklevel=3)
-            return args
-        if self.split_batches and self.num_processes > 1:
-            share = find_batch_size(batch) // self.num_processes
-            batch = slice_tensors(batch, slice(0, share))
-        for i in todo:
-            placement = None if device_placement is None else device_placement[i]
-            args[i] = self.rematerialize(args[i], batch, device_placement=placement)
-        return args
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
         """``Accelerator.unwrap_model``, then the original module of a ``RematModule``."""
-        model = super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
-                                     keep_torch_compile=keep_torch_compile)
-        return model.original if isinstance(model, RematModule) else model
+        return _original(super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                              keep_torch_compile=keep_torch_compile))
+
+
+if __name__ == "__main__":
+    # ``python -m integrations.accelerate SCRIPT [ARGS...]``: this file runs as ``__main__``, a
+    # second copy of the module; the launcher uses the imported ``integrations.accelerate`` so
+    # that the script, HiRemateAccelerator and the patch see one set of classes.
+    from integrations._accelerate_launch import main
+
+    raise SystemExit(main())
