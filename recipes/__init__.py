@@ -10,6 +10,8 @@ Example:
     >>> recipe = load_recipe("recipes/cnn_plain.yaml", ["trainer.max_steps=5"])
     >>> summary = run_recipe(recipe)  # doctest: +SKIP
 """
+import importlib
+
 from recipes.config import load_recipe, parse_override, recipe_to_yaml
 from recipes.errors import InvalidValue, RecipeError
 from recipes.registry import (
@@ -21,8 +23,10 @@ from recipes.registry import (
     get_plugin,
     get_task,
 )
-from recipes.stats import Summary
-from recipes.train import run_recipe
+
+# Training needs Lightning: imported on first use, so loading and validating a recipe (and
+# ``python -m recipes.run --check`` of a bad one) never pays for it.
+_LAZY = {"Summary": "recipes.stats", "run_recipe": "recipes.train"}
 
 __all__ = [
     "InvalidValue",
@@ -40,3 +44,16 @@ __all__ = [
     "recipe_to_yaml",
     "run_recipe",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recipes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

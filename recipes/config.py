@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from recipes.checks import check_recipe
 from recipes.errors import InvalidValue, RecipeError
 from recipes.registry import all_plugins, available_tasks, closest, get_task
 from recipes.schema import build_schema
@@ -50,6 +51,8 @@ __all__ = ["load_recipe", "recipe_to_yaml", "parse_override", "Override"]
 
 # Sections whose keys come from the selected task's dataclasses.
 _TASK_SECTIONS = ("model", "data")
+# The recipes that ship with hiremate (recipes/*.yaml).
+RECIPES_DIR = Path(__file__).resolve().parent
 _KEY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -88,9 +91,35 @@ def parse_override(text: str) -> Override:
     return Override(text=text, key=key, value=value)
 
 
+def _shown(folder: Path) -> str:
+    """``folder`` relative to the working directory when it is below it (``recipes``)."""
+    try:
+        return str(folder.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(folder)
+
+
+def _missing_file(path: Path) -> RecipeError:
+    """The error for a recipe path that is not a file: the closest recipe and the list."""
+    folder = path.parent if path.parent.is_dir() else RECIPES_DIR
+    names = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    if not names:
+        folder = RECIPES_DIR
+        names = sorted(p.name for p in folder.glob("*.yaml"))
+    where = str(path.parent) if folder == path.parent else _shown(folder)
+    stems = {Path(n).stem: n for n in names}  # ".yaml" alone must not make names look alike
+    best = stems.get(closest(Path(path.name).stem, list(stems)) or "")
+    hint = f"; did you mean '{Path(where) / best}'?" if best else "."
+    what = "is a directory, not a recipe file" if path.is_dir() else "not found"
+    return RecipeError(
+        f"recipe file {str(path)!r} {what}{hint} Recipes in {where}/: {', '.join(names)} "
+        "(python -m recipes.run --list says what each one trains)"
+    )
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} not found")
+        raise _missing_file(path)
     try:
         raw = OmegaConf.load(path)
     except yaml.YAMLError as e:
@@ -227,7 +256,8 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Any:
     raw = _read_yaml(path)
     parsed = [parse_override(o) for o in overrides]
     task = get_task(_task_name(raw, parsed, f"in {path}"))
-    schema = build_schema(task, all_plugins())
+    plugins = all_plugins()
+    schema = build_schema(task, plugins)
     cfg = OmegaConf.structured(schema)
     cfg.task = task.name
     for key, value in raw.items():
@@ -247,7 +277,13 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Any:
         except OmegaConfBaseException as e:
             where = f"from override {o.text!r}"
             raise _translate(e, cfg, o.value, where, o.key.split(".")[0]) from e
-    return _build_sections(cfg, schema, _Origin(path, parsed))
+    origin = _Origin(path, parsed)
+    recipe = _build_sections(cfg, schema, origin)
+    try:  # see NOTE [ One validation phase ] in recipes/checks.py
+        check_recipe(recipe, task=task, plugins=plugins)
+    except InvalidValue as e:
+        raise RecipeError(f"{e.key}={e.value!r} ({origin.of(e.key)}): {e.reason}") from e
+    return recipe
 
 
 def _nest(dotted: str, value: Any) -> dict:

@@ -20,7 +20,7 @@ import difflib
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from recipes.errors import RecipeError
 
@@ -52,8 +52,15 @@ class Task:
         model: Dataclass type of the recipe's ``model:`` section.
         data: Dataclass type of the recipe's ``data:`` section.
         build: ``build(model_cfg, data_cfg, optim_cfg) -> (LightningModule, LightningDataModule)``.
-            The LightningModule holds the network (a plain ``nn.Module``) as ``self.net``.
+            The LightningModule holds the network (a plain ``nn.Module``) as ``self.net``. Import
+            Lightning (and the modules that need it) inside ``build``: the task module is imported
+            to validate a recipe, which must not pay for Lightning.
         description: One line for ``python -m recipes.run --list``.
+        check: ``check(model_cfg, data_cfg) -> None``, or ``None``: the checks that involve both
+            sections (or the data on disk), which ``build`` would otherwise be the first to find.
+            It raises :class:`~recipes.errors.InvalidValue` with the key from the recipe's top
+            (``"data.min_length"``); the loader runs it, so ``--check`` and a run reject the same
+            recipes before anything is built.
         name: Filled in by the registry from the module name; leave it empty.
     """
 
@@ -61,6 +68,7 @@ class Task:
     data: type
     build: Callable[[Any, Any, Any], tuple[Any, Any]]
     description: str
+    check: Optional[Callable[[Any, Any], None]] = None
     name: str = ""
 
 
@@ -77,6 +85,13 @@ class Plugin:
             hooks in that order. Plugins that replace layers or activations use an order < 100 so
             that ``remat`` (order 100) captures the network they produced.
         description: One line for ``python -m recipes.run --list``.
+        check: ``check(cfg, recipe) -> None``, or ``None``: the callback's own argument checks
+            (and checks against other sections of ``recipe``, the whole loaded recipe), run
+            without importing Lightning when a recipe with the section enabled is loaded
+            (``--check`` and a run alike), e.g. the settings check the callback's ``__init__``
+            calls. It raises :class:`~recipes.errors.InvalidValue` (key relative to the section),
+            or ``ValueError``/``TypeError`` whose message starts with ``<field>=<value>: `` as the
+            callbacks' do; the loader adds the section and where the value came from.
         name: Filled in by the registry from the module name; leave it empty.
     """
 
@@ -84,6 +99,7 @@ class Plugin:
     make_callback: Callable[[Any], Any]
     order: int = 50
     description: str = ""
+    check: Optional[Callable[[Any, Any], None]] = None
     name: str = ""
 
 

@@ -1,18 +1,23 @@
 """Command line: ``python -m recipes.run recipes/<name>.yaml [key=value ...] [--check] [--list]``.
 
-Loads and validates the recipe (see :func:`recipes.config.load_recipe`), prints the resolved
-config as YAML, then builds everything and trains (see :func:`recipes.train.run_recipe`), printing
-progress lines and a final summary. A bad recipe prints ``error: <message>`` on stderr and exits
-with status 2 before anything is built.
+Loads and validates the recipe (see :func:`recipes.config.load_recipe`) without importing
+Lightning, prints the resolved config as YAML, builds the plugin callbacks and the Trainer
+(:func:`recipes.train.prepare_run`), then builds the model and data and trains (see
+:func:`recipes.train.run_recipe`), printing progress lines and a final summary. ``--check`` stops
+after the callbacks and the Trainer are built: it makes every check a run makes before training.
+A bad recipe prints ``error: <message>`` on stderr and exits with status 2; when the recipe itself
+is wrong that happens before Lightning is imported.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Sequence
 
-from recipes.config import load_recipe, recipe_to_yaml
+from recipes.config import RECIPES_DIR, load_recipe, recipe_to_yaml
 from recipes.errors import RecipeError
 from recipes.registry import available_plugins, available_tasks, get_plugin, get_task
 
@@ -29,10 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", nargs="?", help="the recipe YAML, e.g. recipes/cnn_plain.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=5")
     parser.add_argument(
-        "--check", action="store_true", help="validate and print the resolved recipe, then exit"
+        "--check", action="store_true",
+        help="validate and print the resolved recipe, build the callbacks and the Trainer (every "
+        "check a run makes before training), then exit",
     )
     parser.add_argument(
-        "--list", action="store_true", help="list the tasks and plugin sections, then exit"
+        "--list", action="store_true",
+        help="list the recipe files, tasks and plugin sections, then exit",
     )
     return parser
 
@@ -44,14 +52,36 @@ def _describe(get, name: str) -> str:
         return f"(unavailable: {e})"
 
 
+def recipe_purpose(path: Path) -> str:
+    """The one-line purpose of a recipe file: its second line, ``# <purpose>`` (the first line is
+    the command that runs it); see "Adding a task" in ``recipes/README.md``."""
+    lines = path.read_text().splitlines()
+    second = lines[1] if len(lines) > 1 else ""
+    if second.startswith("# ") and second[2:].strip():
+        return second[2:].strip()
+    return "(no purpose line: make the second line '# <what it trains>')"
+
+
 def _list() -> str:
+    files = sorted(RECIPES_DIR.glob("*.yaml"))
     tasks, plugins = available_tasks(), available_plugins()
-    width = max(map(len, tasks + plugins)) + 2
-    lines = ["tasks (task: <name>):"]
+    width = max(map(len, [p.name for p in files] + tasks + plugins)) + 2
+    lines = ["recipes (python -m recipes.run recipes/<file> [key=value ...]):"]
+    lines += [f"  {p.name:<{width}}{recipe_purpose(p)}" for p in files]
+    lines.append("tasks (task: <name>):")
     lines += [f"  {name:<{width}}{_describe(get_task, name)}" for name in tasks]
     lines.append("plugin sections (<name>.enabled=true):")
     lines += [f"  {name:<{width}}{_describe(get_plugin, name)}" for name in plugins]
     return "\n".join(lines)
+
+
+def _is_rank_zero() -> bool:
+    """Lightning's ``rank_zero_only.rank == 0``, read from the variables its launchers set (DDP
+    re-runs this command in every process) without importing Lightning."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in os.environ:
+            return int(os.environ[key]) == 0
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,19 +92,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_list())
         return 0
     if args.recipe is None:
-        parser.error("the recipe YAML file is required (see --list for tasks)")
+        parser.error("the recipe YAML file is required (see --list for the recipes)")
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        from lightning.pytorch.utilities import rank_zero_only
-
-        if rank_zero_only.rank == 0:  # DDP re-runs this command in every process
+        recipe = load_recipe(args.recipe, args.overrides)  # no Lightning imported yet
+        if _is_rank_zero():
             shown = " ".join(args.overrides)
             print(f"# resolved recipe: {args.recipe}" + (f" {shown}" if shown else ""))
             print(recipe_to_yaml(recipe), flush=True)
-        if args.check:
-            return 0
-        from recipes.train import run_recipe
+        try:
+            from recipes.train import check_run, run_recipe
+        except ModuleNotFoundError as e:
+            raise RecipeError(f"training needs {e.name!r}, which is not installed; install it "
+                              'with pip install "hiremate[recipes]"') from e
 
+        if args.check:
+            check_run(recipe)
+            return 0
         # A 2-core CPU run gains nothing from loader workers; keep the output readable.
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
         run_recipe(recipe)

@@ -9,6 +9,19 @@ NOTE [ What the summary's memory lines mean ]
     mean step time. The last step is chosen because the optimizer state already exists then (Adam
     allocates it on its first step). On CUDA the summary adds ``peak memory (fit)``:
     ``torch.cuda.max_memory_allocated`` over the whole fit, weights and optimizer state included.
+
+NOTE [ Setup and training time ]
+    ``trainer.fit`` first sets up (Lightning's and the DataModule's setup, then every callback's
+    ``setup`` and ``on_fit_start``: remat's warmup step, capture, profiling and solve, few-bit's
+    replacement of the activations, CP's compression at ``fit_start``), then trains. A plain
+    "fit time" hides a minute of solving behind a few seconds of training, so :class:`FitPhases`
+    splits it: setup runs from the first callback hook of ``fit`` to the first training step,
+    training from there to the end of the training loop (data loading and validation inside
+    ``fit`` included), and the wrap-up after it (``on_fit_end``/``teardown``: CP's compression at
+    ``fit_end``, remat putting the original modules back). It also times each plugin's own hooks
+    in each phase (in training: CP compressing at step ``cp.when``, remat solving for a new batch
+    size): Lightning calls a hook on the callbacks in list order, so a marker placed right after
+    a plugin's callback (:meth:`FitPhases.after`) sees the time that callback took.
 """
 from __future__ import annotations
 
@@ -20,7 +33,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-__all__ = ["RunStats", "Summary", "format_summary"]
+__all__ = ["FitPhases", "RunStats", "Summary", "format_summary"]
 
 # Steps averaged for the "final" training loss (the per-step loss is noisy).
 FINAL_LOSS_WINDOW = 10
@@ -45,9 +58,20 @@ class Summary:
             running), else ``""``.
         fit_peak_bytes: ``torch.cuda.max_memory_allocated`` over ``fit`` (CUDA only), else ``None``.
         device: The root device of the run (``"cpu"``, ``"cuda:0"``).
-        fit_time_s: Wall time of ``trainer.fit`` (includes callback setup such as solving).
+        fit_time_s: Wall time of ``trainer.fit`` (the training loop), setup included.
         num_params: Trainable parameters of the LightningModule.
         extra: Task-specific facts to print (e.g. which data).
+        setup_time_s: Part of ``fit_time_s`` before the first training step (plugin setup such as
+            remat's capture and solve; see NOTE [ Setup and training time ]), or ``None`` when
+            not measured.
+        training_time_s: Part of ``fit_time_s`` from the first training step to the end of the
+            training loop, or ``None``.
+        plugin_setup_s: Plugin section -> seconds its callback spent in ``setup`` and
+            ``on_fit_start`` (inside :attr:`setup_time_s`).
+        plugin_training_s: Plugin section -> seconds its callback spent in the training-step
+            hooks (inside :attr:`training_time_s`), e.g. CP compressing at a given step.
+        plugin_wrapup_s: Plugin section -> seconds its callback spent in ``on_fit_end`` and
+            ``teardown`` (after training).
     """
 
     steps: int
@@ -63,6 +87,11 @@ class Summary:
     fit_time_s: float
     num_params: int
     extra: dict[str, Any] = field(default_factory=dict)
+    setup_time_s: float | None = None
+    training_time_s: float | None = None
+    plugin_setup_s: dict[str, float] = field(default_factory=dict)
+    plugin_training_s: dict[str, float] = field(default_factory=dict)
+    plugin_wrapup_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def mean_step_time_s(self) -> float:
@@ -79,6 +108,108 @@ class Summary:
         """Mean training loss of the last ``FINAL_LOSS_WINDOW`` steps."""
         tail = self.train_losses[-FINAL_LOSS_WINDOW:]
         return sum(tail) / len(tail) if tail else math.nan
+
+
+class FitPhases(L.Callback):
+    """Times the setup and training phases of ``trainer.fit`` and each plugin callback's share of
+    them; see NOTE [ Setup and training time ].
+
+    Put it first in the Trainer's callbacks and :meth:`after` right behind each plugin's callback::
+
+        phases = FitPhases()
+        callbacks = [phases, remat_cb, phases.after("remat"), fewbit_cb, phases.after("fewbit")]
+
+    Attributes:
+        setup_time_s: From :meth:`fit_called` (else the first hook of ``fit``) to the first
+            training step (``None`` until a step starts).
+        training_time_s: From the first training step to the end of the training loop.
+        plugin_setup_s: Name -> seconds in that callback's ``setup`` and ``on_fit_start``.
+        plugin_training_s: Name -> seconds in its training-step hooks (``on_train_batch_start``,
+            ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``,
+            ``on_before_zero_grad``, ``on_train_batch_end``), e.g. CP compressing at a step.
+        plugin_wrapup_s: Name -> seconds in its ``on_fit_end`` and ``teardown``.
+    """
+
+    def __init__(self) -> None:
+        self.setup_time_s: float | None = None
+        self.training_time_s: float | None = None
+        self.plugin_setup_s: dict[str, float] = {}
+        self.plugin_training_s: dict[str, float] = {}
+        self.plugin_wrapup_s: dict[str, float] = {}
+        self._fit_t0: float | None = None
+        self._train_t0: float | None = None
+        self._last = 0.0  # when the hook now running on the callbacks passed the latest marker
+
+    def fit_called(self) -> None:
+        """Mark the call of ``trainer.fit`` (optional): setup then starts here rather than at the
+        first callback hook, and includes Lightning's own preparation before it."""
+        self._fit_t0 = time.perf_counter()
+
+    def after(self, name: str) -> L.Callback:
+        """A marker to place right after the callback of plugin ``name``."""
+        return _AfterPlugin(self, name)
+
+    def _add(self, name: str, bucket: dict[str, float]) -> None:
+        now = time.perf_counter()
+        bucket[name] = bucket.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def _restart(self, *args: Any, **kwargs: Any) -> None:
+        # FitPhases is the first callback: a hook is starting on the callbacks
+        self._last = time.perf_counter()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._fit_t0 is None:
+            self._fit_t0 = time.perf_counter()
+        self._restart()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._restart()
+        if self._train_t0 is None and self._fit_t0 is not None:
+            self._train_t0 = self._last
+            self.setup_time_s = self._train_t0 - self._fit_t0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._train_t0 is not None:
+            self.training_time_s = time.perf_counter() - self._train_t0
+
+    on_fit_start = on_before_backward = on_after_backward = _restart
+    on_before_optimizer_step = on_before_zero_grad = on_train_batch_end = _restart
+    on_fit_end = teardown = _restart
+
+
+class _AfterPlugin(L.Callback):
+    """Adds the time since the previous marker to plugin ``name``'s share; see :class:`FitPhases`."""
+
+    def __init__(self, phases: FitPhases, name: str) -> None:
+        self.phases = phases
+        self.name = name
+
+    @property
+    def state_key(self) -> str:  # one per plugin; Lightning keys callbacks by this
+        return f"{type(self).__qualname__}[{self.name}]"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.phases._add(self.name, self.phases.plugin_setup_s)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.phases._add(self.name, self.phases.plugin_wrapup_s)
+
+    def _setup(self, *args: Any, **kwargs: Any) -> None:
+        self.phases._add(self.name, self.phases.plugin_setup_s)
+
+    def _training(self, *args: Any, **kwargs: Any) -> None:
+        self.phases._add(self.name, self.phases.plugin_training_s)
+
+    def _wrapup(self, *args: Any, **kwargs: Any) -> None:
+        self.phases._add(self.name, self.phases.plugin_wrapup_s)
+
+    on_fit_start = _setup
+    on_train_batch_start = on_before_backward = on_after_backward = _training
+    on_before_optimizer_step = on_before_zero_grad = on_train_batch_end = _training
+    on_fit_end = _wrapup
 
 
 def _loss_of(outputs: Any) -> float | None:
@@ -102,13 +233,11 @@ class RunStats(L.Callback):
         self.printer = printer
         self.step_times_s: list[float] = []
         self.train_losses: list[float] = []
-        self.fit_time_s = 0.0
         self.fit_peak_bytes: int | None = None
         self.step_peak_bytes: int | None = None
         self.step_peak_index: int | None = None  # 0-based
         self.step_peak_error = ""
         self._t0 = 0.0
-        self._fit_t0 = 0.0
         self._memory_cm = None
         self._memory = None
 
@@ -121,7 +250,6 @@ class RunStats(L.Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._fit_t0 = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._sync(trainer)
@@ -169,7 +297,6 @@ class RunStats(L.Callback):
         self._stop_memory()  # never leave the profiler running
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.fit_time_s = time.perf_counter() - self._fit_t0
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self.fit_peak_bytes = int(torch.cuda.max_memory_allocated(device))
@@ -186,6 +313,31 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _hooks(times: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in times.items())
+
+
+def _time_lines(s: Summary) -> list[str]:
+    """``fit time`` split into setup, training and wrap-up; NOTE [ Setup and training time ]."""
+    if s.setup_time_s is None or s.training_time_s is None:
+        return [f"fit time: {s.fit_time_s:.2f} s"]
+    wrapup = max(0.0, s.fit_time_s - s.setup_time_s - s.training_time_s)
+    per_step = 1e3 * s.training_time_s / max(1, s.steps)
+    lines = [
+        f"fit time: {s.fit_time_s:.2f} s = setup {s.setup_time_s:.2f} s + training "
+        f"{s.training_time_s:.2f} s + wrap-up {wrapup:.2f} s",
+        f"setup: {s.setup_time_s:.2f} s before the first step; "
+        + (f"plugin hooks: {_hooks(s.plugin_setup_s)}" if s.plugin_setup_s else "no plugin"),
+        f"training: {s.training_time_s:.2f} s for {s.steps} steps, {per_step:.2f} ms/step "
+        "(data loading and validation during fit included)"
+        + (f"; plugin hooks: {_hooks(s.plugin_training_s)}" if s.plugin_training_s else ""),
+    ]
+    if s.plugin_wrapup_s:
+        lines.append(f"wrap-up: {wrapup:.2f} s after training; plugin hooks: "
+                     f"{_hooks(s.plugin_wrapup_s)}")
+    return lines
+
+
 def format_summary(s: Summary) -> str:
     """The summary block, one ``key: value`` per line (stable for scripts and tests)."""
     excluded = len(s.step_times_s) - len(s.timed_steps)
@@ -194,7 +346,7 @@ def format_summary(s: Summary) -> str:
         f"steps: {s.steps}",
         f"mean step time: {1e3 * s.mean_step_time_s:.2f} ms (over {len(s.timed_steps)} steps"
         + (f"; first and memory-measured steps excluded)" if excluded else ")"),
-        f"fit time: {s.fit_time_s:.2f} s",
+        *_time_lines(s),
         f"parameters: {s.num_params}",
         f"train_loss first: {s.first_train_loss:.4f}",
         f"train_loss final: {s.final_train_loss:.4f} "

@@ -1,6 +1,14 @@
-"""Build the callbacks, Trainer, model and data of a loaded recipe, train, validate, summarize."""
+"""Build the callbacks, Trainer, model and data of a loaded recipe, train, validate, summarize.
+
+Importing this module imports Lightning; :func:`recipes.config.load_recipe` does not (see
+NOTE [ One validation phase ] in ``recipes/checks.py``).
+"""
 from __future__ import annotations
 
+import dataclasses
+import time
+import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import lightning as L
@@ -10,26 +18,43 @@ from lightning.pytorch.loggers import CSVLogger
 from recipes.errors import RecipeError
 from recipes.registry import all_plugins, get_task
 from recipes.schema import TrainerConfig
-from recipes.stats import RunStats, Summary, format_summary
+from recipes.stats import FitPhases, RunStats, Summary, format_summary
 
-__all__ = ["build_callbacks", "build_trainer", "run_recipe"]
+__all__ = [
+    "PreparedRun", "build_callbacks", "build_trainer", "check_run", "plugin_callbacks",
+    "prepare_run", "run_recipe",
+]
+
+
+def _uses_accelerate(recipe: Any) -> bool:
+    return bool(getattr(getattr(recipe, "accelerate", None), "enabled", False))
 
 
 def build_callbacks(recipe: Any) -> list[L.Callback]:
     """One callback per enabled plugin section, sorted by ``(Plugin.order, name)``.
 
     Raises:
+        RecipeError: as :func:`plugin_callbacks`.
+    """
+    return list(plugin_callbacks(recipe).values())
+
+
+def plugin_callbacks(recipe: Any) -> dict[str, L.Callback]:
+    """Section name -> callback for every enabled plugin section, in ``(Plugin.order, name)``
+    order (the order Lightning runs their hooks in).
+
+    Raises:
         RecipeError: when a callback cannot be imported or rejects its arguments (callbacks check
             them in ``__init__``), naming the section.
     """
     plugins = sorted(all_plugins().values(), key=lambda p: (p.order, p.name))
-    callbacks = []
+    callbacks = {}
     for plugin in plugins:
         section = getattr(recipe, plugin.name)
         if not section.enabled:
             continue
         try:
-            callbacks.append(plugin.make_callback(section))
+            callbacks[plugin.name] = plugin.make_callback(section)
         except (ValueError, TypeError) as e:
             if isinstance(e, RecipeError):
                 raise
@@ -75,10 +100,79 @@ def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback]) -> L.Trainer:
         raise RecipeError(f"trainer: Lightning rejected the settings: {e}") from e
 
 
+@dataclass
+class PreparedRun:
+    """What :func:`prepare_run` built: everything but the model and the data.
+
+    Attributes:
+        trainer: The Lightning Trainer, its callbacks in the order below.
+        plugins: Plugin section -> its callback (enabled sections only), in hook order.
+        phases: Times setup and training (first callback), see NOTE [ Setup and training time ].
+        stats: Step times, losses, memory and progress lines (last callback).
+    """
+
+    trainer: L.Trainer
+    plugins: dict[str, L.Callback]
+    phases: FitPhases
+    stats: RunStats
+
+
+def prepare_run(recipe: Any, *, printer: Callable[[str], None] = print) -> PreparedRun:
+    """Build the plugin callbacks and the Trainer of a loaded recipe: the checks that need
+    Lightning (the callbacks' ``__init__``, Lightning's own checks of ``trainer:``).
+
+    ``python -m recipes.run --check`` calls it as well as :func:`run_recipe`, so a recipe that
+    passes ``--check`` gets past every check a run makes before it builds the model.
+
+    Raises:
+        RecipeError: a setting a callback or Lightning rejects.
+    """
+    plugins = plugin_callbacks(recipe)
+    phases = FitPhases()
+    stats = RunStats(print_every_n_steps=recipe.trainer.print_every_n_steps, printer=printer)
+    ordered: list[L.Callback] = [phases]
+    for name, callback in plugins.items():
+        ordered += [callback, phases.after(name)]
+    trainer = build_trainer(recipe.trainer, ordered + [stats])
+    return PreparedRun(trainer=trainer, plugins=plugins, phases=phases, stats=stats)
+
+
+def check_run(recipe: Any) -> None:
+    """What ``--check`` adds to loading: :func:`prepare_run` (Lightning recipes) or the plugin
+    callbacks' own checks (``accelerate.enabled`` recipes, whose runner has no Trainer).
+
+    Raises:
+        RecipeError: as :func:`prepare_run`.
+    """
+    if _uses_accelerate(recipe):
+        plugin_callbacks(_without_accelerate(recipe))
+    else:
+        prepare_run(recipe, printer=lambda line: None)
+
+
+def _without_accelerate(recipe: Any) -> Any:
+    section = dataclasses.replace(recipe.accelerate, enabled=False)
+    return dataclasses.replace(recipe, accelerate=section)
+
+
+def _setup_error(e: BaseException, plugins: dict[str, L.Callback]) -> RecipeError | None:
+    """A ``ValueError``/``TypeError`` a plugin callback raised while ``fit`` set up (e.g. a
+    ``remat.module`` name the model lacks), as the user error it is; ``None`` for anything else."""
+    if not isinstance(e, (ValueError, TypeError)) or isinstance(e, RecipeError):
+        return None
+    owners = {id(callback): name for name, callback in plugins.items()}
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        name = owners.get(id(frame.f_locals.get("self")))
+        if name is not None:
+            return RecipeError(f"{name}: {e} (raised while fit was setting up, before the "
+                               f"first step; fix the {name}: section)")
+    return None
+
+
 def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summary:
     """Train and validate a loaded recipe (see :func:`recipes.config.load_recipe`).
 
-    Order: plugin callbacks (their argument checks) and the Trainer are built first, so bad
+    Order: :func:`prepare_run` (plugin callbacks, their argument checks, and the Trainer), so bad
     settings fail before the model and data exist; then ``seed_everything(recipe.seed)``, the
     task's model and data, ``trainer.fit``, one ``trainer.validate``, and the summary, printed on
     rank 0 through ``printer``.
@@ -91,18 +185,28 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
         The :class:`~recipes.stats.Summary` (on every rank).
 
     Raises:
-        RecipeError: for settings rejected by a callback or by Lightning.
+        RecipeError: for settings rejected by a callback or by Lightning, including what a
+            plugin callback rejects while ``fit`` sets up (before the first training step).
     """
-    if getattr(getattr(recipe, "accelerate", None), "enabled", False):
+    if _uses_accelerate(recipe):
         from recipes.accelerate_run import run_recipe_accelerate
 
         return run_recipe_accelerate(recipe, printer=printer)
     task = get_task(recipe.task)
-    stats = RunStats(print_every_n_steps=recipe.trainer.print_every_n_steps, printer=printer)
-    trainer = build_trainer(recipe.trainer, build_callbacks(recipe) + [stats])
+    run = prepare_run(recipe, printer=printer)
+    trainer, stats, phases = run.trainer, run.stats, run.phases
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     module, datamodule = task.build(recipe.model, recipe.data, recipe.optim)
-    trainer.fit(module, datamodule=datamodule)
+    phases.fit_called()
+    fit_t0 = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except Exception as e:
+        error = _setup_error(e, run.plugins) if phases.setup_time_s is None else None
+        if error is None:
+            raise
+        raise error from e
+    fit_time_s = time.perf_counter() - fit_t0
     results = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for r in results for k, v in r.items()}
     describe = getattr(datamodule, "describe", None)
@@ -117,9 +221,14 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
         step_peak_error=stats.step_peak_error,
         fit_peak_bytes=stats.fit_peak_bytes,
         device=str(trainer.strategy.root_device),
-        fit_time_s=stats.fit_time_s,
+        fit_time_s=fit_time_s,
         num_params=sum(p.numel() for p in module.parameters() if p.requires_grad),
         extra=describe() if callable(describe) else {},
+        setup_time_s=phases.setup_time_s,
+        training_time_s=phases.training_time_s,
+        plugin_setup_s=dict(phases.plugin_setup_s),
+        plugin_training_s=dict(phases.plugin_training_s),
+        plugin_wrapup_s=dict(phases.plugin_wrapup_s),
     )
     if trainer.is_global_zero:
         printer(format_summary(summary))

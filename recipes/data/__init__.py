@@ -1,17 +1,32 @@
-"""Datasets the recipes train on; all of them ship with Python or an installed package."""
-from recipes.data.digits import DigitsDataModule, load_digits_split
-from recipes.data.stdlib_text import (
-    DEFAULT_STDLIB_FILES,
-    ByteWindows,
-    StdlibTextDataModule,
-    load_stdlib_bytes,
-)
+"""Datasets the recipes train on; all of them ship with Python or an installed package.
 
-__all__ = [
-    "DEFAULT_STDLIB_FILES",
-    "ByteWindows",
-    "DigitsDataModule",
-    "StdlibTextDataModule",
-    "load_digits_split",
-    "load_stdlib_bytes",
-]
+The DataModules need Lightning, so this package loads its names on first use: a task module can
+import the cheap helpers (``recipes.data.stdlib_files``) while a recipe is validated without
+importing Lightning.
+"""
+import importlib
+
+# public name -> module that defines it
+_EXPORTS = {
+    "DEFAULT_STDLIB_FILES": "recipes.data.stdlib_files",
+    "ByteWindows": "recipes.data.stdlib_text",
+    "DigitsDataModule": "recipes.data.digits",
+    "StdlibTextDataModule": "recipes.data.stdlib_text",
+    "load_digits_split": "recipes.data.digits",
+    "load_stdlib_bytes": "recipes.data.stdlib_text",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recipes.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,36 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import sysconfig
-from pathlib import Path
 from typing import Sequence
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from recipes.data.stdlib_files import DEFAULT_STDLIB_FILES, missing_stdlib_files, stdlib_dir
+
 __all__ = [
     "DEFAULT_STDLIB_FILES", "stdlib_dir", "missing_stdlib_files", "load_stdlib_bytes", "ByteWindows",
     "StdlibTextDataModule",
 ]
-
-# ~560 kB of Python 3.11 source: pure-Python modules present in every CPython build.
-DEFAULT_STDLIB_FILES = (
-    "argparse.py", "textwrap.py", "difflib.py", "fractions.py", "statistics.py", "heapq.py",
-    "bisect.py", "functools.py", "dataclasses.py", "enum.py", "random.py", "string.py",
-    "shlex.py", "calendar.py",
-)
-
-
-def stdlib_dir() -> Path:
-    """The running interpreter's standard-library directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def missing_stdlib_files(files: Sequence[str]) -> list[str]:
-    """The names in ``files`` that are not files under :func:`stdlib_dir`."""
-    root = stdlib_dir()
-    return [name for name in files if not (root / name).is_file()]
 
 
 def load_stdlib_bytes(files: Sequence[str] = DEFAULT_STDLIB_FILES) -> tuple[torch.Tensor, str]:

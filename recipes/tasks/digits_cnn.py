@@ -5,19 +5,16 @@ Reports ``train_loss`` / ``train_acc`` every step and ``val_loss`` / ``val_acc``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List
 
-import torch
-from torch.nn import functional as F
-
-from recipes.data.digits import DigitsDataModule
 from recipes.errors import InvalidValue
-from recipes.models.cnn import DigitsCNN
-from recipes.module import RecipeModule
 from recipes.optim import OptimConfig
 from recipes.registry import Task
 
+# sklearn.datasets.load_digits: 1,797 images of 10 classes, shipped with scikit-learn.
+DIGITS_IMAGES, DIGITS_CLASSES = 1797, 10
 
 @dataclass
 class CNNModelConfig:
@@ -62,39 +59,28 @@ class DigitsDataConfig:
             raise InvalidValue("batch_size", self.batch_size, "expected an int >= 1")
         if not 0.0 < self.val_fraction < 1.0:
             raise InvalidValue("val_fraction", self.val_fraction, "expected a float in (0, 1)")
-
-
-class DigitsClassifier(RecipeModule):
-    """Cross-entropy classification; ``self.net`` is a :class:`DigitsCNN`."""
-
-    def training_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
-        x, y = batch
-        logits = self.net(x)
-        loss = F.cross_entropy(logits, y)
-        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
-        self.log("train_acc", (logits.argmax(1) == y).float().mean(), on_step=True, on_epoch=False)
-        return loss
-
-    def on_validation_epoch_start(self) -> None:  # noqa: D102 - Lightning hook
-        self._val_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
-
-    def validation_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
-        x, y = batch
-        logits = self.net(x)
-        nll = F.cross_entropy(logits, y, reduction="sum")
-        correct = (logits.argmax(1) == y).sum()
-        count = torch.tensor(float(y.numel()), dtype=torch.float64, device=self.device)
-        self._val_stats += torch.stack([nll.double(), correct.double(), count])
-
-    def on_validation_epoch_end(self) -> None:  # noqa: D102 - Lightning hook
-        nll, correct, count = self._val_stats.tolist()
-        count = max(1.0, count)
-        self.log("val_loss", nll / count, sync_dist=True)
-        self.log("val_acc", correct / count, sync_dist=True)
+        n_val = math.ceil(self.val_fraction * DIGITS_IMAGES)  # as train_test_split rounds it
+        n_train = DIGITS_IMAGES - n_val
+        if min(n_val, n_train) < DIGITS_CLASSES:
+            raise InvalidValue(
+                "val_fraction", self.val_fraction,
+                f"holds out {n_val} of the {DIGITS_IMAGES} images and trains on {n_train}; the "
+                f"stratified split needs at least {DIGITS_CLASSES} (one per class) on each side",
+            )
+        if self.batch_size > n_train:
+            raise InvalidValue(
+                "batch_size", self.batch_size,
+                f"expected at most the {n_train} training images (data.val_fraction="
+                f"{self.val_fraction}); the last incomplete batch is dropped, so no step would run",
+            )
 
 
 def build(model: CNNModelConfig, data: DigitsDataConfig, optim: OptimConfig):
     """Build the ``digits_cnn`` LightningModule and DataModule."""
+    from recipes.data.digits import DigitsDataModule  # Lightning: only when a run builds
+    from recipes.models.cnn import DigitsCNN
+    from recipes.tasks._classifier import DigitsClassifier
+
     net = DigitsCNN(channels=model.channels, num_classes=10, dropout=model.dropout)
     datamodule = DigitsDataModule(
         batch_size=data.batch_size, val_fraction=data.val_fraction, split_seed=data.split_seed,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from recipes.errors import InvalidValue
 from recipes.optim import OptimConfig
 from recipes.registry import Task
-from recipes.tasks.digits_cnn import DigitsClassifier, DigitsDataConfig
+from recipes.tasks.digits_cnn import DigitsDataConfig
 
 
 @dataclass
@@ -57,12 +57,28 @@ class ODEModelConfig:
         if not (MIN_NODES <= self.n_nodes <= MAX_NODES and self.n_nodes % 2 == 1):
             raise InvalidValue("n_nodes", self.n_nodes,
                                f"expected an odd int in [{MIN_NODES}, {MAX_NODES}]")
+        # The block checks its solver settings (the method's name among them) with this class.
+        from ode import SolveConfig
+
+        try:
+            SolveConfig(grad=self.grad, method=self.method, rtol=self.rtol, atol=self.atol,
+                        n_nodes=self.n_nodes)
+        except ImportError as e:
+            raise InvalidValue("method", self.method, str(e)) from e
+        except ValueError as e:  # "method='x': not a torchdiffeq solver; choose one of ..."
+            message = str(e)
+            key = message.partition("=")[0]
+            key = key if key in ("grad", "method", "rtol", "atol", "n_nodes") else "method"
+            prefix = f"{key}={getattr(self, key)!r}: "
+            reason = message[len(prefix):] if message.startswith(prefix) else message
+            raise InvalidValue(key, getattr(self, key), reason) from e
 
 
 def build(model: ODEModelConfig, data: DigitsDataConfig, optim: OptimConfig):
     """Build the ``digits_ode`` LightningModule and DataModule."""
-    from recipes.data.digits import DigitsDataModule
+    from recipes.data.digits import DigitsDataModule  # Lightning: only when a run builds
     from recipes.models.ode_net import DigitsODENet
+    from recipes.tasks._classifier import DigitsClassifier
 
     net = DigitsODENet(width=model.width, hidden=model.hidden, t_end=model.t_end,
                        grad=model.grad, method=model.method, rtol=model.rtol, atol=model.atol,

@@ -6,22 +6,16 @@ scores ``val_loss = ln 256 = 5.55``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import torch
-from torch.nn import functional as F
-
-from recipes.data.stdlib_text import (
+from recipes.data.stdlib_files import (
     DEFAULT_STDLIB_FILES,
-    StdlibTextDataModule,
     missing_stdlib_files,
+    stdlib_bytes,
     stdlib_dir,
 )
 from recipes.errors import InvalidValue
-from recipes.models.gpt import GPT
-from recipes.module import RecipeModule
 from recipes.optim import OptimConfig
 from recipes.registry import Task
 
@@ -99,39 +93,42 @@ class GPTDataConfig:
             )
 
 
-class GPTLanguageModel(RecipeModule):
-    """Next-byte prediction with cross-entropy; ``self.net`` is a :class:`GPT`."""
+def check(model: GPTModelConfig, data: GPTDataConfig) -> None:
+    """What ``build`` and the DataModule would reject later: batch lengths longer than the context,
+    and texts too short for one validation window or one training batch.
 
-    def training_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
-        x, y = batch
-        logits = self.net(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
-        return loss
-
-    def on_validation_epoch_start(self) -> None:  # noqa: D102 - Lightning hook
-        self._val_nll = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._val_tokens = 0
-
-    def validation_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
-        x, y = batch
-        logits = self.net(x)
-        nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
-        self._val_nll += nll.double()
-        self._val_tokens += y.numel()
-
-    def on_validation_epoch_end(self) -> None:  # noqa: D102 - Lightning hook
-        loss = (self._val_nll / max(1, self._val_tokens)).float()
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_ppl", torch.exp(loss), sync_dist=True)
-        self.log("val_bpb", loss / math.log(2.0), sync_dist=True)
+    Raises:
+        InvalidValue: with the key from the recipe's top (``data.min_length``, ...).
+    """
+    block = model.block_size
+    if data.min_length is not None and data.min_length > block:
+        raise InvalidValue("data.min_length", data.min_length,
+                           f"expected at most model.block_size={block}, or null")
+    total = stdlib_bytes(data.files)
+    n_val = int(total * data.val_fraction)  # as StdlibTextDataModule.setup splits the text
+    if n_val < block + 1:
+        raise InvalidValue(
+            "data.val_fraction", data.val_fraction,
+            f"the validation text would be {n_val} of the {total} bytes, shorter than one window "
+            f"of model.block_size + 1 = {block + 1}; raise data.val_fraction or add data.files",
+        )
+    windows = (total - n_val - 1) // block
+    if windows < data.batch_size:
+        raise InvalidValue(
+            "data.batch_size", data.batch_size,
+            f"the training text holds {windows} windows of model.block_size={block} bytes, fewer "
+            "than one batch (the last incomplete batch is dropped); lower data.batch_size or add "
+            "data.files",
+        )
 
 
 def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
-    """Build the ``gpt_lm`` LightningModule and DataModule."""
-    if data.min_length is not None and data.min_length > model.block_size:
-        raise InvalidValue("min_length", data.min_length,
-                           f"expected at most model.block_size={model.block_size}")
+    """Build the ``gpt_lm`` LightningModule and DataModule (the recipe passed :func:`check`)."""
+    from recipes.data.stdlib_text import StdlibTextDataModule  # Lightning: only when a run builds
+    from recipes.models.gpt import GPT
+    from recipes.tasks._language_model import GPTLanguageModel
+
+    check(model, data)
     net = GPT(
         vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
         n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout, bias=model.bias,
@@ -149,5 +146,6 @@ TASK = Task(
     model=GPTModelConfig,
     data=GPTDataConfig,
     build=build,
+    check=check,
     description="byte-level GPT (pre-LN, causal attention) on CPython stdlib sources; val loss/ppl",
 )

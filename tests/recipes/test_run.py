@@ -40,6 +40,11 @@ def test_cli_runs_plain_cnn_recipe_end_to_end(tmp_path):
     assert s["steps"] == "5"
     assert s["mean step time"].endswith(" ms (over 3 steps; first and memory-measured steps excluded)")
     assert float(s["mean step time"].split(" ms")[0]) > 0
+    assert re.fullmatch(r"\d+\.\d\d s = setup \d+\.\d\d s \+ training \d+\.\d\d s \+ wrap-up "
+                        r"\d+\.\d\d s", s["fit time"]), s["fit time"]
+    assert re.fullmatch(r"\d+\.\d\d s before the first step; no plugin", s["setup"])
+    assert re.fullmatch(r"\d+\.\d\d s for 5 steps, \d+\.\d\d ms/step \(data loading and "
+                        r"validation during fit included\)", s["training"]), s["training"]
     assert abs(float(s["train_loss first"]) - LN10) < 0.3  # untrained 10-class guess
     assert 0.0 <= float(s["val_acc"]) <= 1.0 and math.isfinite(float(s["val_loss"]))
     # the step allocates at least the new gradients (4 bytes a parameter), and far less than 64 MiB
@@ -93,8 +98,9 @@ class _ProfilesLastStep(L.Callback):
 def test_step_memory_is_not_reported_as_zero_under_another_profiler(recipe_path, monkeypatch):
     import recipes.train
 
-    build = recipes.train.build_callbacks
-    monkeypatch.setattr(recipes.train, "build_callbacks", lambda r: [*build(r), _ProfilesLastStep()])
+    build = recipes.train.plugin_callbacks
+    monkeypatch.setattr(recipes.train, "plugin_callbacks",
+                        lambda r: {**build(r), "profiler": _ProfilesLastStep()})
     lines: list[str] = []
     summary = run_recipe(load_recipe(recipe_path("cnn_plain.yaml"), ["trainer.max_steps=2"]), printer=lines.append)
     assert summary.step_peak_bytes is None and summary.step_peak_step == 2
@@ -105,14 +111,14 @@ def test_gpt_remat_on_variable_length_batches_solves_a_few_times(recipe_path, mo
     import recipes.train
 
     built = []
-    original = recipes.train.build_callbacks
+    original = recipes.train.plugin_callbacks
 
     def keep(recipe):
         callbacks = original(recipe)
-        built.extend(callbacks)
+        built.extend(callbacks.values())
         return callbacks
 
-    monkeypatch.setattr(recipes.train, "build_callbacks", keep)
+    monkeypatch.setattr(recipes.train, "plugin_callbacks", keep)
     overrides = ["trainer.max_steps=12", "model.n_layer=2", "model.n_embd=32", "model.block_size=64",
                  "data.min_length=16", "trainer.limit_val_batches=2", "optim.warmup_steps=2",
                  "remat.budget=65%", "remat.time_limit=10"]

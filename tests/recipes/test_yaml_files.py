@@ -26,6 +26,25 @@ def test_first_line_is_the_command(path):
     assert first == f"# python -m recipes.run recipes/{path.name}"
 
 
+# The purpose line is what `python -m recipes.run --list` prints next to the file name.
+MAX_PURPOSE_CHARS = 72
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=[p.stem for p in YAML_FILES])
+def test_second_line_is_the_one_line_purpose(path):
+    second = path.read_text().splitlines()[1]
+    assert second.startswith("# ") and second[2:].strip(), (
+        f"{path.name}: the second line must be '# <what it trains>' (shown by --list)")
+    assert len(second[2:]) <= MAX_PURPOSE_CHARS, f"{path.name}: purpose longer than one short line"
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=[p.stem for p in YAML_FILES])
+def test_readme_describes_every_recipe(path):
+    readme = (RECIPES_DIR / "README.md").read_text()
+    assert f"| `{path.name}` |" in readme, (
+        f"recipes/README.md has no row for {path.name} in its table of recipes")
+
+
 def _leaves(tree, prefix=""):
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
