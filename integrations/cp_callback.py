@@ -11,6 +11,7 @@ NOTE [ Resuming a compressed run ].
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,6 +61,21 @@ __all__ = ["CPCompressionCallback"]
 # * when="fit_end": on_fit_end compresses the trained model (no fine-tuning).
 # The plan is a pure function of the layer shapes and the options: every rank builds the same.
 #
+# NOTE [ CP layers under remat ]
+# HiRemateCallback captures the network in its on_fit_start, whichever place it has in the
+# callbacks list. With when="fit_start" the CP layers exist from setup, so the capture holds
+# them (their ops, shapes and saved values) in either order. The ADMM values may be written
+# after the capture (HiRemateCallback listed first): the compiled graph reads the factors and
+# scales as the tensors they are (the RematModule shares them), never as constants, so the
+# training steps compute with the solved values and the gradients are the CP-only run's; only
+# remat's warmup step ran on the empty (zero) factors, whose memory and shapes are the same.
+# When no example_input_array gives the FLOPs, the layers' shapes are recorded on their first
+# eager forward by hooks registered in setup: remat's warmup step, or the first training step
+# (the hooks return at once while dynamo traces them, and never run inside a compiled graph).
+# when=<int k> would replace layers mid-fit that the compiled graph keeps using, so it is
+# refused with HiRemateCallback (in setup); when="fit_end" compresses the user's modules, which
+# HiRemateCallback has put back at on_train_end, before any on_fit_end.
+#
 # NOTE [ Resuming a compressed run ]
 # Lightning restores the model's state_dict before the callback's own state. A checkpoint saved
 # after compression holds CP factors where the freshly built model still has dense layers, so the
@@ -69,6 +85,28 @@ __all__ = ["CPCompressionCallback"]
 # and nothing is solved again: the restored callback state marks the compression as done.
 
 _MODES = ("fit_start", "fit_end")
+
+
+def _has_remat_callback(trainer: Any) -> bool:
+    """Whether a ``HiRemateCallback`` is among the Trainer's callbacks (none can be when its
+    module was never imported)."""
+    module = sys.modules.get("integrations.remat_callback")
+    cls = getattr(module, "HiRemateCallback", None)
+    return cls is not None and any(isinstance(cb, cls) for cb in getattr(trainer, "callbacks", ()))
+
+
+def _refuse_remat_modules(pl_module: nn.Module, when: str | int) -> None:
+    """Raise when layers would be replaced inside a captured ``remat.RematModule``."""
+    remat = sys.modules.get("remat")
+    names = [n for n, m in pl_module.named_modules()
+             if remat is not None and isinstance(m, remat.RematModule)]
+    if names:
+        raise ValueError(
+            f"CPCompressionCallback(when={when!r}): {', '.join(names)} is rematerialized (a "
+            "remat.RematModule): its compiled graph would keep computing with the dense layers "
+            "replaced now. Use when='fit_start' (the CP layers are made in setup, before "
+            "HiRemateCallback captures) or compress before remat.rematerialize"
+        )
 
 
 def _check_when(when: object) -> str | int:
@@ -91,6 +129,9 @@ class CPCompressionCallback(pl.Callback):
     rank, parameters, FLOPs, errors) is logged on rank 0 and kept in :attr:`report`, with the
     metrics last logged before compression in :attr:`metrics_before`. FLOPs are measured when the
     LightningModule defines ``example_input_array``.
+
+    With ``HiRemateCallback`` in the same Trainer (either order), ``when="fit_start"`` and
+    ``"fit_end"`` work and ``when=<int>`` is refused (NOTE [ CP layers under remat ]).
 
     Checkpoints saved after compression resume without re-solving. To load one into a fresh model
     outside ``Trainer.fit``: ``quant.cp.load_compressed(model, checkpoint["state_dict"])``.
@@ -193,22 +234,25 @@ class CPCompressionCallback(pl.Callback):
             self._broadcast_factors(trainer, pl_module)
         text = self.report.summary()
         if example is None:
-            self._watch_shapes(pl_module)
-            text += "\n(FLOPs will be measured on the first batch after compression)"
+            if not self._shape_hooks:
+                self._watch_shapes(pl_module, [r.name for r in self.report.layers])
+            text += "\n(FLOPs will be measured on the CP layers' first training forward)"
         if self.metrics_before:
             shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(self.metrics_before.items()))
             text += (f"\nmetrics last logged before compression (compressed at step "
                      f"{trainer.global_step}): {shown}")
         rank_zero_info(text)
 
-    def _watch_shapes(self, pl_module: pl.LightningModule) -> None:
-        """Without ``example_input_array``: record the CP layers' shapes on the next forward."""
+    def _watch_shapes(self, pl_module: pl.LightningModule, names: Sequence[str]) -> None:
+        """Without ``example_input_array``: record the CP layers' shapes on their first eager
+        forward (NOTE [ CP layers under remat ])."""
         self._shapes = {}
-        for r in self.report.layers if self.report is not None else ():
-            def record(_m: nn.Module, args: tuple, out: torch.Tensor, name: str = r.name) -> None:
+        for name in names:
+            def record(_m: nn.Module, args: tuple, out: torch.Tensor, name: str = name) -> None:
+                if torch.compiler.is_compiling():  # traced by remat's capture: not a forward
+                    return
                 self._shapes.setdefault(name, (tuple(args[0].shape), tuple(out.shape)))
-            self._shape_hooks.append(
-                pl_module.get_submodule(r.name).register_forward_hook(record))
+            self._shape_hooks.append(pl_module.get_submodule(name).register_forward_hook(record))
 
     def _flops_from_shapes(self, pl_module: pl.LightningModule) -> None:
         if not self._shape_hooks or self.report is None:
@@ -222,7 +266,7 @@ class CPCompressionCallback(pl.Callback):
         before, after = self.report.flops_before, self.report.flops_after
         rank_zero_info(
             f"CP compression: FLOPs/sample of the replaced layers {before:,} -> {after:,} "
-            f"({before / after:.2f}x), measured on the first batch after compression"
+            f"({before / after:.2f}x), measured on the layers' first training forward"
         )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -270,6 +314,15 @@ class CPCompressionCallback(pl.Callback):
                 "which would leave them out of gradient synchronisation; use when='fit_start' on "
                 "a model trained in an earlier fit, or when='fit_end'"
             )
+        if isinstance(self.when, int) and _has_remat_callback(trainer):
+            raise ValueError(
+                f"CPCompressionCallback(when={self.when}): compressing after {self.when} steps "
+                "replaces layers that HiRemateCallback captures at the start of fit, and its "
+                "compiled graph would keep training the dense ones. With HiRemateCallback use "
+                "when='fit_start' (the CP layers are made in setup, before the capture, in either "
+                "callback order) or when='fit_end' (in a recipe: cp.when=fit_start or fit_end, "
+                "or remat.enabled=false)"
+            )
         cp_layers = self._cp_layers(pl_module)
         if cp_layers:
             # fit again on an already compressed module: fine-tune the existing factors
@@ -279,18 +332,27 @@ class CPCompressionCallback(pl.Callback):
             return
         self._done = False
         if self.when == "fit_start":
+            _refuse_remat_modules(pl_module, self.when)
             self._plan = self._make_plan(pl_module)
             self._originals = apply_plan(pl_module, self._plan, trainable=True)
+            if self._originals and getattr(pl_module, "example_input_array", None) is None:
+                # NOTE [ CP layers under remat ]
+                self._watch_shapes(pl_module, list(self._originals))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.when == "fit_start" and not self._done and self._originals:
             self._solve(trainer, pl_module)
-        self._originals = {}  # restored from a checkpoint: nothing to solve
+        else:  # restored from a checkpoint: nothing to solve, no report to complete
+            for h in self._shape_hooks:
+                h.remove()
+            self._shape_hooks = []
+        self._originals = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         if not isinstance(self.when, int) or self._done or trainer.global_step < self.when:
             return
+        _refuse_remat_modules(pl_module, self.when)
         self._plan = self._make_plan(pl_module)
         self._originals = apply_plan(pl_module, self._plan, trainable=True)
         self._solve(trainer, pl_module)
@@ -298,6 +360,7 @@ class CPCompressionCallback(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.when == "fit_end" and not self._done:
+            _refuse_remat_modules(pl_module, self.when)
             self._plan = self._make_plan(pl_module)
             self._originals = apply_plan(pl_module, self._plan, trainable=False)
             # after the strategy's teardown: no collectives; the CPU solve is deterministic

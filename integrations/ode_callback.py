@@ -16,6 +16,17 @@ NOTE [ Per-block gradient check ]
     relative difference of the two (input and parameter gradients together). Re-running the
     block in isolation keeps the check exact even when the parameters' ``.grad`` also holds
     other contributions, never touches ``.grad``, and needs neither the batch nor the loss.
+
+NOTE [ Switching before remat's warmup ]
+    The blocks are switched in ``setup("fit")``, which Lightning runs for every callback before
+    any ``on_fit_start``: ``HiRemateCallback``'s warmup step (whose measured peak a percentage
+    budget is of) then runs the blocks as they train, whatever the order of the callbacks list.
+    Blocks created later (``configure_model``) are switched at ``on_fit_start``. A block is never
+    inside a rematerialized graph: its solve branches on tensor values (step control and
+    checks), which no captured graph can express, so ``HiRemateCallback`` leaves a target holding one
+    unmodified (with a warning; an error with ``strict=True``) and the per-step hooks here always
+    run. To rematerialize the rest of such a model, name the modules around the block:
+    ``HiRemateCallback(module=["encoder", "head"])``.
 """
 from __future__ import annotations
 
@@ -58,12 +69,13 @@ class _Tracked:
 class InterpolatedAdjointCallback(Callback):
     """Switch every :class:`ode.ODEBlock` of the model to ``grad="interpolated"`` for ``fit``.
 
-    At ``on_fit_start`` the callback finds the model's ODE blocks, replaces their solver settings
-    (keeping whatever is not overridden here), names them by module path for error messages, and
-    logs one table on rank 0; at the end of fit (or on an exception) it restores each block's
-    settings. During training it logs, per step, the summed forward and backward function
-    evaluations of all blocks (``ode/forward_nfe``, ``ode/backward_nfe``) and the largest
-    interpolation error estimate (``ode/interp_error``). Every rank makes the same decisions.
+    At ``setup("fit")`` (NOTE [ Switching before remat's warmup ]) the callback finds the model's
+    ODE blocks, replaces their solver settings (keeping whatever is not overridden here), names
+    them by module path for error messages, and logs one table on rank 0; at the end of fit (or
+    on an exception) it restores each block's settings. During training it logs, per step, the
+    summed forward and backward function evaluations of all blocks (``ode/forward_nfe``,
+    ``ode/backward_nfe``) and the largest interpolation error estimate (``ode/interp_error``).
+    Every rank makes the same decisions.
 
     Args:
         n_nodes: Nodes per output interval (odd); ``None`` keeps each block's own.
@@ -126,10 +138,26 @@ class InterpolatedAdjointCallback(Callback):
 
     # -- switching -----------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
         self._restore()  # a second fit with the same callback starts clean
+        self._switch(pl_module)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._switch(pl_module)  # blocks created after setup (configure_model)
+        if not self._tracked:
+            warnings.warn(
+                f"InterpolatedAdjointCallback: {type(pl_module).__name__} has no ode.ODEBlock "
+                "modules, so nothing was switched; build the model's neural-ODE layers with "
+                "ode.ODEBlock", UserWarning, stacklevel=2)
+
+    def _switch(self, pl_module: "pl.LightningModule") -> None:
+        """Switch the blocks not switched yet and log them."""
+        known = {id(tracked.block) for tracked in self._tracked}
+        new = []
         for name, module in pl_module.named_modules():
-            if not isinstance(module, ODEBlock):
+            if not isinstance(module, ODEBlock) or id(module) in known:
                 continue
             tracked = _Tracked(name=name or type(pl_module).__name__, block=module,
                                saved_config=module.config, saved_name=module.name)
@@ -137,14 +165,11 @@ class InterpolatedAdjointCallback(Callback):
             if module.name is None:
                 module.name = tracked.name
             tracked.handle = module.register_forward_hook(self._make_hook(tracked))
-            self._tracked.append(tracked)
-        if not self._tracked:
-            warnings.warn(
-                f"InterpolatedAdjointCallback: {type(pl_module).__name__} has no ode.ODEBlock "
-                "modules, so nothing was switched; build the model's neural-ODE layers with "
-                "ode.ODEBlock", UserWarning, stacklevel=2)
-            return
-        rank_zero_info(self._summary())
+            known.add(id(module))
+            new.append(tracked)
+        if new:
+            self._tracked += new
+            rank_zero_info(self._summary(new))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._restore()
@@ -161,9 +186,9 @@ class InterpolatedAdjointCallback(Callback):
                 tracked.handle.remove()
         self._tracked = []
 
-    def _summary(self) -> str:
+    def _summary(self, tracked: list[_Tracked]) -> str:
         rows = [("block", "was", "now", "n_nodes", "rtol", "atol", "on_interp_error")]
-        for tr in self._tracked:
+        for tr in tracked:
             c, old = tr.block.config, tr.saved_config
             rows.append((tr.name, old.grad, c.grad, str(c.n_nodes), f"{c.rtol:g}", f"{c.atol:g}",
                          c.on_interp_error))

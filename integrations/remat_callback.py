@@ -10,7 +10,7 @@ runs the user's own ``training_step`` on one real batch as a warmup, recording t
 arguments of the target networks; then it captures, profiles and solves each target with
 :func:`remat.rematerialize` and swaps it for the resulting :class:`remat.RematModule`, which
 shares the original's ``Parameter`` objects and ``state_dict`` keys (the optimizer keeps training
-the same tensors; checkpoints load into the plain model). At the end of ``fit`` the original
+the same tensors; checkpoints load into the plain model). At the end of training the original
 modules are put back. Papers: HiRemate (Gusak, Zhao, Le Hellard, Li, Eyraud-Dubois, Beaumont,
 ICML 2025), Rockmate (Zhao et al., ICML 2023), Checkmate (Jain et al., MLSys 2020).
 
@@ -22,12 +22,34 @@ NOTE [ Where the example batch comes from ]
     before the loop state (and a stateful loader's position) is restored. Under DDP every rank
     reads the unsharded loader's first batch: only its shapes and dtypes matter (rank 0 times the
     ops on it; see NOTE [ Same plan on every rank ] in ``integrations/_remat_shared.py``).
+
+NOTE [ Callbacks that watch the warmup step ]
+    The training steps of a rematerialized network run compiled graphs, where Python hooks on its
+    submodules do not run: the warmup is the one eager step of the network that is captured. A
+    callback that needs to see an eager forward (``FewBitCallback`` measures what its activations
+    save there) defines ``remat_warmup(trainer, pl_module)`` returning a context manager; this
+    callback enters it around the warmup's ``training_step`` (the forward and the loss, not the
+    backward), whatever the order of the callbacks list. It must not allocate device memory: the
+    warmup's measured peak is what a percentage budget is of.
+
+NOTE [ Composing with the other callbacks ]
+    Callbacks that replace modules (``FewBitCallback``, ``CPCompressionCallback``) or change how
+    they run (``InterpolatedAdjointCallback``) do so in ``setup("fit")``, which Lightning runs for
+    every callback before any ``on_fit_start``: the warmup and the capture here see the network
+    that trains, whatever the list order. The originals are put back at ``on_train_end`` (and,
+    failing that, at ``teardown``), so that a callback acting in ``on_fit_end``
+    (``CPCompressionCallback(when="fit_end")``) changes the user's modules, not the
+    ``RematModule`` standing in for them. A target holding an ``ode.ODEBlock`` is not captured: its
+    solve branches on tensor values (step control and checks; even a fixed-step method fails on a
+    data-dependent guard), which one graph cannot express; it trains unmodified with a warning
+    (``strict=True``: an error) and the modules around the block can be named with ``module=``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -113,6 +135,21 @@ def _silenced(pl_module: "pl.LightningModule", *, manual: bool):
         pl_module.__dict__.update(saved)
 
 
+def _uncapturable(module: torch.nn.Module) -> str:
+    """Why ``module`` cannot be captured as one graph, known before trying, or ``""``."""
+    ode = sys.modules.get("ode")  # not imported: no ODEBlock can exist
+    block_type = getattr(ode, "ODEBlock", None)
+    if block_type is None:
+        return ""
+    for name, sub in module.named_modules():
+        if isinstance(sub, block_type):
+            return (f"it holds the ode.ODEBlock {name!r}" if name else "it is an ode.ODEBlock") + (
+                ", whose solve branches on tensor values (step control and checks), which no "
+                "single captured graph can express; name the modules around the block with "
+                "HiRemateCallback(module=[...])")
+    return ""
+
+
 def _loss_of(output: Any) -> Optional[torch.Tensor]:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     return loss if isinstance(loss, torch.Tensor) and loss.requires_grad else None
@@ -131,6 +168,11 @@ class HiRemateCallback(Callback):
     on disk across runs. Batches of other sizes (dynamic padding, a short last batch) reuse the
     captured graph with the fastest schedule that fits at their size (NOTE [ Shape-generic
     plans ] in ``remat/sizes.py``).
+
+    Callbacks that replace or reconfigure modules (``FewBitCallback``, ``CPCompressionCallback``,
+    ``InterpolatedAdjointCallback``) may come before or after it in the callbacks list: they act
+    in ``setup``, before this callback's warmup and capture (NOTE [ Composing with the other
+    callbacks ]).
 
     Args:
         budget: Memory budget: ``"70%"``/``0.7`` of the unmodified warmup step's measured peak
@@ -165,7 +207,8 @@ class HiRemateCallback(Callback):
             LightningModule: at the start of ``on_fit_start``, before any batch is read (the
             attribute may be created by ``configure_model``, after ``setup``).
         remat.RematError: with ``strict=True``, in ``on_fit_start``, when a target cannot be
-            captured or no schedule fits the budget.
+            captured or no schedule fits the budget (a target holding an ``ode.ODEBlock``:
+            before any batch is read).
 
     Example:
         >>> trainer = Trainer(callbacks=[HiRemateCallback(budget="50%")])  # doctest: +SKIP
@@ -218,8 +261,12 @@ class HiRemateCallback(Callback):
         targets = [t for t in targets if not isinstance(t.module, RematModule)]
         if already:
             self._info(f"{_OWNER}: {', '.join(already)} already rematerialized; left as is")
+        blocked = self._skip_uncapturable(targets)  # NOTE [ Composing with the other callbacks ]
+        targets = [t for t in targets if t.name not in blocked]
+        self.results = dict(blocked)
         if not targets:
-            self._info(f"{_OWNER}: no module holding trainable parameters to rematerialize")
+            if not blocked:  # (a blocked target has had its warning)
+                self._info(f"{_OWNER}: no module holding trainable parameters to rematerialize")
             return
         if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
             return self._cannot("training_step takes a dataloader_iter, so no single batch can "
@@ -250,16 +297,41 @@ class HiRemateCallback(Callback):
             return
         comm = self._collectives(trainer)
         with isolated_rng(), trainer.precision_plugin.train_step_context():
-            self.results = solve_targets(
+            self.results.update(solve_targets(
                 targets, calls, self.settings, self.cache, owner=_OWNER, comm=comm,
                 info=self._info, warn=self._warn, step_peak_bytes=self.eager_peak_bytes,
-            )
+            ))
         del calls
         self._swap(pl_module, targets)
         if self.settings.verbose:
             rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
                                         eager_peak_bytes=self.eager_peak_bytes))
         self._measure_next_step = self.settings.verbose and bool(self._swapped)
+
+    def _skip_uncapturable(self, targets: list[Target]) -> dict[str, TargetResult]:
+        """Targets that cannot be captured, known before any batch is read (an ODE block)."""
+        blocked = {}
+        for t in targets:
+            why = _uncapturable(t.module)
+            if not why:
+                continue
+            label = repr(t.name) if t.name else "the model"
+            if self.settings.strict:
+                raise remat.CaptureError(f"{_OWNER}: {label} cannot be rematerialized: {why}",
+                                         reason="data_dependent")
+            self._warn(f"{_OWNER}: {label} trains unmodified (strict=False): {why}")
+            blocked[t.name] = TargetResult(t.name, skipped=why)
+        return blocked
+
+    @contextlib.contextmanager
+    def _watched(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
+        """NOTE [ Callbacks that watch the warmup step ]."""
+        with contextlib.ExitStack() as stack:
+            for callback in trainer.callbacks:
+                watch = getattr(callback, "remat_warmup", None)
+                if callback is not self and callable(watch):
+                    stack.enter_context(watch(trainer, pl_module))
+            yield
 
     def _example_batch(self, trainer: "pl.Trainer") -> Any:
         """See NOTE [ Where the example batch comes from ]."""
@@ -285,7 +357,8 @@ class HiRemateCallback(Callback):
         with record_first_calls(targets) as calls, trainer.precision_plugin.train_step_context():
             tracking = self._start_tracking(trainer) if measure else None
             try:
-                output = pl_module.training_step(*args)
+                with self._watched(trainer, pl_module):
+                    output = pl_module.training_step(*args)
                 loss = _loss_of(output) if measure else None
                 if loss is not None:
                     loss.backward()
@@ -389,6 +462,11 @@ class HiRemateCallback(Callback):
         self._stop_measuring()
 
     # ---- end of fit ------------------------------------------------------------------------------
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # before any on_fit_end: NOTE [ Composing with the other callbacks ]
+        self._stop_measuring()
+        self._restore()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":

@@ -16,16 +16,10 @@ section's ``module`` is relative to the LightningModule (``net``, ``net.blocks``
 to the network. With ``remat.enabled: false`` the ``HIREMATE_*`` launcher variables apply.
 
 NOTE [ Dispatch from recipes.run ]
-    ``python -m recipes.run`` trains every recipe with the Lightning ``Trainer``. For it to run
-    recipes with ``accelerate.enabled: true`` here, ``recipes.train.run_recipe`` needs, as its
-    first lines::
-
-        if getattr(getattr(recipe, "accelerate", None), "enabled", False):
-            from recipes.accelerate_run import run_recipe_accelerate
-            return run_recipe_accelerate(recipe, printer=printer)
-
-    Until then the Lightning runner stops with a message pointing here (``recipes/plugins/
-    accelerate.py``).
+    ``python -m recipes.run`` hands recipes with ``accelerate.enabled: true`` to
+    :func:`run_recipe_accelerate` (``recipes.train.run_recipe``), so both commands train them
+    here. The loop applies the ``remat:`` section only; other plugin sections enabled beside
+    ``accelerate`` are refused when the recipe loads (``recipes/plugins/accelerate.py``).
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ tensor saved by two ops, count once. Parameters and buffers can be excluded: the
 
 :class:`FewBitMemoryMeter` measures a training forward of a model with few-bit activations and also
 what the exact torch activations would have saved in the same step: for each few-bit call it replays
-the torch function on a detached copy of the input and sees which tensors torch saves (the input,
-the output, or fresh intermediates), then counts those not already kept by another op.
+the torch function on a meta tensor shaped like the input and sees which tensors torch saves (the
+input, the output, or fresh intermediates), then counts those not already kept by another op.
 """
 from __future__ import annotations
 
@@ -145,6 +145,44 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+def _torch_saves(plan, x: torch.Tensor) -> list[tuple[str, int]]:
+    """What the exact torch function of ``plan`` saves for backward on an input like ``x``:
+    ``("input" | "output" | "fresh", bytes)`` per storage.
+
+    NOTE [ Replaying on meta ]
+    The replay runs on a ``meta`` tensor of ``x``'s shape, strides and dtype: autograd saves the
+    same tensors there as on ``x``'s device, and nothing is allocated, so a measurement taken
+    inside another one (``HiRemateCallback``'s warmup step, whose measured peak is what a budget
+    is a fraction of) does not change it. Storages are told apart by identity, as meta tensors
+    have no addresses. Where an op has no meta kernel, the replay runs on a detached copy of
+    ``x`` instead (allocating a few tensors of its size for the moment it runs).
+    """
+    spec = ACTIVATIONS[plan.activation]
+    try:
+        return _replay(spec, plan, torch.empty_strided(
+            x.shape, x.stride(), dtype=x.dtype, device="meta"))
+    except (NotImplementedError, RuntimeError):
+        return _replay(spec, plan, x.detach())
+
+
+def _replay(spec, plan, x: torch.Tensor) -> list[tuple[str, int]]:
+    storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        storages.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        leaf = x.detach().requires_grad_()
+        xin = leaf.clone()  # non-leaf, so an in-place replay is allowed
+        out = spec.call(xin, dict(plan.params), plan.inplace)
+    x_ref = StorageWeakRef(xin.untyped_storage())
+    out_ref = StorageWeakRef(out.untyped_storage())
+    return [("input" if ref == x_ref else "output" if ref == out_ref else "fresh", nbytes)
+            for ref, nbytes in storages.values()]
+
+
 @dataclasses.dataclass
 class _Call:
     """One few-bit call under a :class:`FewBitMemoryMeter`."""
@@ -166,12 +204,12 @@ class FewBitMemoryMeter:
     """Measure one forward of ``model`` and what exact activations would have saved.
 
     # NOTE [ Exact-activation counterfactual ]
-    For each few-bit call the pre-hook replays the torch function on a detached copy of the input
-    and classifies what torch saves: the input, the output, or fresh intermediates. The exact
-    version's extra bytes are the fresh ones plus the input/output storages that no other op keeps
-    anyway. "Kept by another op" is decided when that op saves the tensor, comparing storage
-    addresses *while the call's tensor is alive* (a ``StorageWeakRef`` tells), because a freed
-    address is soon reused by an unrelated tensor.
+    For each few-bit call the pre-hook replays the torch function on a meta tensor like the input
+    (NOTE [ Replaying on meta ]) and classifies what torch saves: the input, the output, or fresh
+    intermediates. The exact version's extra bytes are the fresh ones plus the input/output
+    storages that no other op keeps anyway. "Kept by another op" is decided when that op saves
+    the tensor, comparing storage addresses *while the call's tensor is alive* (a
+    ``StorageWeakRef`` tells), because a freed address is soon reused by an unrelated tensor.
 
     Args:
         model: The model containing few-bit modules (from :func:`replace_activations`).
@@ -211,17 +249,7 @@ class FewBitMemoryMeter:
         ):
             return
         plan = module._fewbit_plan
-        spec = ACTIVATIONS[plan.activation]
-        replay = SavedTensorsMeter()
-        with torch.enable_grad(), replay:
-            leaf = x.detach().requires_grad_()
-            xin = leaf.clone()  # non-leaf, so an in-place replay is allowed
-            out = spec.call(xin, dict(plan.params), plan.inplace)
-        in_ptr, out_ptr = _storage_key(xin)[0], _storage_key(out)[0]
-        saved = [
-            ("input" if ptr == in_ptr else "output" if ptr == out_ptr else "fresh", nbytes)
-            for ptr, nbytes in replay.storages.items()
-        ]
+        saved = _torch_saves(plan, x)
         key = _storage_key(x)
         shared = any(
             (c.x[0] == key[0] and not c.x_ref.expired())

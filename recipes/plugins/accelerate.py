@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from recipes.errors import RecipeError
+from recipes.errors import InvalidValue, RecipeError
 from recipes.registry import Plugin
 
 
@@ -49,9 +49,30 @@ def make_callback(cfg: AccelerateConfig) -> Any:
     )
 
 
+# Sections the Accelerate loop applies; every other enabled plugin is a Lightning callback.
+_APPLIED = ("accelerate", "remat")
+
+
+def check(cfg: AccelerateConfig, recipe: Any) -> None:
+    """The Accelerate loop runs no Lightning callback: a plugin section enabled beside it would
+    be silently ignored, so the recipe is refused when it loads."""
+    from recipes.registry import available_plugins
+
+    ignored = [name for name in available_plugins() if name not in _APPLIED
+               and getattr(getattr(recipe, name, None), "enabled", False)]
+    if ignored:
+        raise InvalidValue(
+            "enabled", cfg.enabled,
+            f"the plain Accelerate loop applies only the remat: section, so "
+            f"{', '.join(f'{n}.enabled=true' for n in ignored)} would be ignored; disable "
+            f"{'it' if len(ignored) == 1 else 'them'}, or train with Lightning "
+            "(accelerate.enabled=false)")
+
+
 PLUGIN = Plugin(
     config=AccelerateConfig,
     make_callback=make_callback,
+    check=check,
     order=1000,
     description="train with an Accelerate loop and HiRemateAccelerator (recipes.accelerate_run)",
 )

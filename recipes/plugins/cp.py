@@ -11,6 +11,10 @@ Example (YAML)::
       include: [net.features.*]     # glob patterns on module names
       exclude: [net.features.0]     # the 1-channel first conv is too small to gain
 
+With ``remat.enabled: true`` as well, ``when`` must be ``fit_start`` (the CP layers are made
+before remat captures the network) or ``fit_end``; a step count is refused when ``fit`` starts,
+since remat's compiled graph would keep training the dense layers replaced mid-fit.
+
 Paper: Cherniuk, Abukhovich, Phan, Oseledets, Cichocki, Gusak, "Quantization Aware Factorization
 for Deep Neural Network Compression", 2023.
 """
@@ -97,9 +101,22 @@ def make_callback(cfg: CPConfig) -> Any:
     )
 
 
+def check(cfg: CPConfig, recipe: Any) -> None:
+    """With ``remat`` enabled too, compressing at a step count is refused when the recipe is
+    loaded (the callback would refuse it when ``fit`` starts)."""
+    remat = getattr(recipe, "remat", None)
+    if isinstance(cfg.when, int) and remat is not None and remat.enabled:
+        raise InvalidValue("when", cfg.when,
+                           "with remat.enabled=true the CP layers must exist before remat "
+                           "captures the network (its compiled graph would keep training the "
+                           "dense layers replaced mid-fit); use when=fit_start or when=fit_end, "
+                           "or disable remat")
+
+
 PLUGIN = Plugin(
     config=CPConfig,
     make_callback=make_callback,
-    order=20,  # replaces layers: before remat (100) captures the network
+    check=check,
+    order=20,  # replaces layers (in setup, so remat captures them in any order)
     description="quantized CP factorization of conv/linear layers by ADMM (CPCompressionCallback)",
 )

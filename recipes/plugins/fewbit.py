@@ -7,6 +7,9 @@ Example (YAML)::
       bits: 2                    # 1..4 bits per element for GELU, SiLU, Tanh, ...
       exclude: [net.head.*]      # glob patterns on module names, or class names (GELU)
 
+With ``remat.enabled: true`` as well, remat captures the few-bit network, and the saving is
+measured on remat's eager warmup step (the compiled steps keep what remat's schedule chooses).
+
 Paper: Novikov, Bershatsky, Gusak, Shonenkov, Dimitrov, Oseledets, "Few-Bit Backward: Quantized
 Gradients of Activation Functions for Memory Footprint Reduction", ICML 2022.
 """
@@ -42,7 +45,8 @@ class FewBitConfig:
             supported activation module).
         exclude: Glob pattern(s) of modules to leave exact.
         strict: Fail the run when an activation module cannot be replaced.
-        measure: Measure the saved bytes in the first training step and print the reduction.
+        measure: Measure the saved bytes in one eager training forward (the first step's, or
+            remat's warmup step with ``remat.enabled``) and print the reduction.
     """
 
     enabled: bool = False
@@ -71,6 +75,6 @@ def make_callback(cfg: FewBitConfig) -> Any:
 PLUGIN = Plugin(
     config=FewBitConfig,
     make_callback=make_callback,
-    order=10,  # replaces activation modules: before remat (100) captures the network
+    order=10,  # replaces activation modules (in setup, so remat captures them in any order)
     description="few-bit activation gradients, 1-4 bits per element (FewBitCallback)",
 )

@@ -8,6 +8,10 @@ Example (YAML)::
       n_nodes: 17              # null keeps each block's own
       check_every_n_steps: 50  # gradient check against a tight backprop reference (0: off)
 
+remat cannot capture an ``ODEBlock`` (its adaptive solver takes a data-dependent number of
+steps): with ``remat.enabled: true`` a remat target holding the block trains unmodified with a
+warning (an error with ``remat.strict: true``); name the modules around it in ``remat.module``.
+
 Paper: Daulbaev, Katrutsa, Markeeva, Gusak, Cichocki, Oseledets, "Interpolation Technique to
 Speed Up Gradients Propagation in Neural ODEs", NeurIPS 2020.
 """

@@ -86,9 +86,20 @@ def make_callback(cfg: RematConfig) -> Any:
     )
 
 
+def check(cfg: RematConfig, recipe: Any) -> None:
+    """``HiRemateCallback``'s own argument checks (solver names, ...), run when the recipe is
+    loaded, so ``--check`` rejects what a run would (NOTE [ One validation phase ])."""
+    from integrations._remat_shared import check_settings  # no Lightning import
+
+    check_settings(budget=cfg.budget, solver=cfg.solver, time_limit=cfg.time_limit,
+                   module=cfg.module, cache_dir=cfg.cache_dir, strict=cfg.strict,
+                   verbose=cfg.verbose)
+
+
 PLUGIN = Plugin(
     config=RematConfig,
     make_callback=make_callback,
+    check=check,
     order=100,  # last: captures the network after plugins that replace layers or activations
     description="HiRemate rematerialization under an activation-memory budget (HiRemateCallback)",
 )

@@ -95,13 +95,16 @@ def test_recipe_path_that_is_a_directory(capsys, monkeypatch):
     "recipe, override, message",
     [
         pytest.param(GPT_REMAT, "remat.solver=hirarchical",
-                     "remat: the callback rejected its arguments: solver='hirarchical': unknown "
-                     "solver; did you mean 'hierarchical'?; expected one of ", id="solver-typo"),
+                     "remat.solver='hirarchical' (from override 'remat.solver=hirarchical'): "
+                     "unknown solver; did you mean 'hierarchical'?; expected one of ",
+                     id="solver-typo"),
         pytest.param(GPT_REMAT, "remat.solver=ILP",
-                     "remat: the callback rejected its arguments: solver='ILP': unknown solver; "
+                     "remat.solver='ILP' (from override 'remat.solver=ILP'): unknown solver; "
                      "expected one of ", id="solver-case"),
         pytest.param(RECIPES_DIR / "gpt_accelerate.yaml", "remat.solver=ILP",
-                     "remat: the callback rejected its arguments: solver='ILP'", id="accelerate-recipe"),
+                     "remat.solver='ILP' (from override", id="accelerate-recipe"),
+        pytest.param(RECIPES_DIR / "gpt_accelerate.yaml", "fewbit.enabled=true",
+                     "accelerate.enabled=True (in ", id="accelerate-would-ignore-fewbit"),
         pytest.param(CNN, "trainer.strategy=ddp_nonsense",
                      "trainer: Lightning rejected the settings: ", id="lightning-strategy"),
     ],
@@ -286,6 +289,8 @@ def test_a_bad_recipe_fails_before_lightning_is_imported():
             ["recipes/gpt_remat.yaml", "remat.cache_dir=recipes/gpt_remat.yaml", "--check"],
             ["recipes/gpt_remat_varlen.yaml", "data.min_length=500", "--check"],
             ["recipes/digits_ode_adjoint.yaml", "model.method=dopri6", "--check"],
+            ["recipes/gpt_remat.yaml", "remat.solver=hirarchical", "--check"],
+            ["recipes/cnn_cp.yaml", "remat.enabled=true", "--check"],
         ]
         for argv in bad:
             err = io.StringIO()

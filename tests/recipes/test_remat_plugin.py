@@ -23,9 +23,8 @@ def test_make_callback_passes_every_field(tmp_path):
         0.4, ("net",), "dp", 7.0, str(tmp_path), True, False)
 
 
-def test_callback_rejects_an_unknown_solver_before_training():
-    from recipes.train import build_callbacks
-
-    with pytest.raises(RecipeError, match=r"^remat: the callback rejected its arguments: "
-                                          r"solver='hirarchical': unknown solver; did you mean"):
-        build_callbacks(load_recipe(REMAT, ["remat.solver=hirarchical"]))
+def test_an_unknown_solver_is_rejected_when_the_recipe_loads():
+    with pytest.raises(RecipeError, match=r"^remat\.solver='hirarchical' \(from override "
+                                          r"'remat\.solver=hirarchical'\): unknown solver; did "
+                                          r"you mean 'hierarchical'"):
+        load_recipe(REMAT, ["remat.solver=hirarchical"])
