@@ -48,7 +48,9 @@ class Row:
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn.Module]]:
-    """Model, batch, loss function and the blocks a person would checkpoint."""
+    """Model, batch (on ``args.device``), loss function and the blocks a person would
+    checkpoint; the caller moves the model."""
+    dev = args.device
     torch.manual_seed(0)
     if args.model == "gpt":
         cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
@@ -56,7 +58,7 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn
                         attention=args.attention)
         model = GPT(cfg)
         idx, tgt = gpt_batch(cfg, args.batch)
-        return model, (idx, tgt), lambda out: out, list(model.blocks)
+        return model, (idx.to(dev), tgt.to(dev)), lambda out: out, list(model.blocks)
     if args.model == "hf-gpt2":  # Hugging Face GPT-2 from a config (no weights), loss inside
         import transformers
 
@@ -67,14 +69,27 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn
         model = LabelledLM(transformers.GPT2LMHeadModel(cfg))
         ids = torch.randint(args.vocab, (args.batch, args.seq),
                             generator=torch.Generator().manual_seed(0))
-        return model, (ids,), lambda out: out, list(model.lm.transformer.h)
+        return model, (ids.to(dev),), lambda out: out, list(model.lm.transformer.h)
+    if args.model == "hf-llama":  # Llama-style (RMSNorm, rotary, SwiGLU) from a config
+        import transformers
+
+        cfg = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.d_model,
+                                       num_attention_heads=args.heads,
+                                       num_key_value_heads=args.heads,
+                                       intermediate_size=int(8 * args.d_model / 3) // 8 * 8,
+                                       vocab_size=args.vocab, max_position_embeddings=args.seq,
+                                       attention_dropout=args.dropout)
+        model = LabelledLM(transformers.LlamaForCausalLM(cfg))
+        ids = torch.randint(args.vocab, (args.batch, args.seq),
+                            generator=torch.Generator().manual_seed(0))
+        return model, (ids.to(dev),), lambda out: out, list(model.lm.model.layers)
     if args.model == "unet":
         model = UNet(width=args.width or 16, depth=args.depth)
-        x, _ = image_batch(args.batch, size=args.image)
+        x = image_batch(args.batch, size=args.image)[0].to(dev)
         loss = nn.MSELoss()  # reconstruct the input: a dense loss over the output map
         return model, (x,), lambda out: loss(out, x), [*model.down, *model.up]
     model = ResNet(width=args.width or 32, blocks=tuple([args.layers] * 3))
-    x, y = image_batch(args.batch, size=args.image)
+    x, y = (t.to(dev) for t in image_batch(args.batch, size=args.image))
     loss = nn.CrossEntropyLoss()
     return model, (x,), lambda out: loss(out, y), list(model.layers)
 
@@ -104,8 +119,12 @@ def with_block_checkpoints(model: nn.Module) -> nn.Module:
     model = copy.deepcopy(model)
     if isinstance(model, GPT):
         model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
-    elif isinstance(model, LabelledLM):
-        model.lm.transformer.h = nn.ModuleList(Checkpointed(b) for b in model.lm.transformer.h)
+    elif isinstance(model, LabelledLM):  # Hugging Face's own per-layer checkpointing
+        if hasattr(model.lm, "activation_checkpointing_enable"):
+            model.lm.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.lm.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
     elif isinstance(model, UNet):
         model.down = nn.ModuleList(Checkpointed(b) for b in model.down)
         model.up = nn.ModuleList(Checkpointed(b) for b in model.up)
@@ -115,8 +134,9 @@ def with_block_checkpoints(model: nn.Module) -> nn.Module:
 
 
 def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_grads: list | None,
-            steps: int, note: str = "") -> tuple[Row, list]:
+            steps: int, note: str = "", device: str = "cpu") -> tuple[Row, list]:
     params = [p for p in model.parameters() if p.requires_grad]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for p in params:
         p.grad = None
     run().backward()  # warm-up (compiles / solves)
@@ -124,15 +144,17 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
         p.grad = None
     gc.collect()
     torch.manual_seed(1)
-    with remat.track_memory() as mem:
+    with remat.track_memory(device) as mem:
         run().backward()
     grads = [p.grad.detach().clone() for p in params]
     times = []
     for _ in range(steps):
         for p in params:
             p.grad = None
+        sync()
         start = time.perf_counter()
         run().backward()
+        sync()
         times.append(time.perf_counter() - start)
     diff = 0.0
     if ref_grads is not None:
@@ -142,7 +164,10 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["gpt", "resnet", "unet", "hf-gpt2"], default="gpt")
+    parser.add_argument("--model", choices=["gpt", "resnet", "unet", "hf-gpt2", "hf-llama"],
+                        default="gpt")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (peaks from the CUDA "
+                        "allocator there)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -169,14 +194,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
         args.budgets, args.steps = [100, 50], 3
 
     model, batch, loss_of, blocks = build(args)
+    model.to(args.device)
     torch.manual_seed(1)
     rows: list[Row] = []
-    eager_row, ref = measure("eager", model, lambda: loss_of(model(*batch)), None, args.steps)
+    dev = args.device
+    eager_row, ref = measure("eager", model, lambda: loss_of(model(*batch)), None, args.steps,
+                             device=dev)
     rows.append(eager_row)
 
     ck = with_block_checkpoints(model)
     row, _ = measure(f"checkpoint({len(blocks)} blocks)", ck,
-                     lambda: loss_of(ck(*batch)), ref, args.steps)
+                     lambda: loss_of(ck(*batch)), ref, args.steps, device=dev)
     rows.append(row)
 
     for b in args.budgets:
@@ -187,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             with torch._functorch.config.patch(activation_memory_budget=frac):
                 cm = torch.compile(m, backend="aot_eager", dynamic=False)
                 row, _ = measure(f"torch.compile(budget={frac:g})", m, lambda: loss_of(cm(*batch)),
-                                 ref, args.steps)
+                                 ref, args.steps, device=dev)
             rows.append(row)
         torch._dynamo.reset()
         m = copy.deepcopy(model)
@@ -200,18 +228,22 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows.append(Row(f"remat({b:g}%)", 0, float("nan"), float("nan"), f"error: {e}"[:90]))
             continue
         plan = rm.plan
-        status = {"optimal": "proven optimal", "feasible": "fits, not proven optimal"}
+        status = {"optimal": "proven optimal", "feasible": "fits, not proven optimal",
+                  "time_limit": "fits; the time limit ended the search"}
         note = (f"predicted peak/eager {plan.predicted_step_ratio:.3f} (unmodified capture "
                 f"{plan.baseline_bytes / max(plan.eager_bytes, 1):.3f}), predicted time "
                 f"+{100 * plan.predicted_overhead:.0f}%, solved in {plan.solve_time_s:.1f} s "
                 f"({status.get(plan.status, plan.status)})")
-        row, _ = measure(f"remat({b:g}%)", m, lambda: loss_of(rm(*batch)), ref, args.steps, note)
+        row, _ = measure(f"remat({b:g}%)", m, lambda: loss_of(rm(*batch)), ref, args.steps, note,
+                         device=dev)
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
         rows.append(row)
 
     size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
+    where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+             else f"threads={torch.get_num_threads()}")
     print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
-          f"torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__} {args.device} {where} "
           f"(median of {args.steps} steps)")
     print(report(rows, eager_row, dropout=args.dropout if args.model == "gpt" else 0.0))
     return rows

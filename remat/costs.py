@@ -91,8 +91,10 @@ def measure_op_times(
 
     with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=[]):
         sync = _sync_for(primals)
-        if any(t.device.type == "cuda" for t in primals if isinstance(t, torch.Tensor)):
-            run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
+        cuda = _cuda_device(primals)
+        if cuda is not None:  # NOTE [ Measuring ops on CUDA ]
+            names = {node.name: i for node, i in op_index.items()}
+            workspaces = _cuda_workspaces(run_graph, names, len(workspaces), cuda)
         elif torch._C._autograd._profiler_enabled():
             # NOTE [ Capturing inside a profiler ]: a second profiler session would end the one
             # running (``track_memory`` around a capture would read 0): scratch memory is not
@@ -112,6 +114,9 @@ def measure_op_times(
             if node in op_index:
                 samples[op_index[node]].append(time.perf_counter() - start)
             return out
+
+        if cuda is not None:
+            timed = _cuda_timer(op_index, samples)
 
         for _ in range(repeats):
             run_graph(timed)
@@ -171,6 +176,62 @@ def _record_windows(prof) -> list[tuple[object, int, int]]:
             windows.append((node.name[len(_SCOPE):], node.start_time_ns, node.end_time_ns))
     windows.sort(key=lambda w: w[1])
     return windows
+
+
+# NOTE [ Measuring ops on CUDA ]
+# Kernels run asynchronously, so wall time around a call measures the launch. Each op is timed
+# with a pair of CUDA events on the current stream (synchronised before the next op, so ops do not
+# overlap as they would not in the simulator). Scratch memory comes from the caching allocator's
+# counters: the peak is reset before the op (``memory.reset_cuda_peak``, which an open
+# ``track_memory`` block survives) and the op's workspace is its peak minus what it leaves
+# allocated, its outputs (exact: the counters count tensor bytes, not cached blocks).
+
+
+def _cuda_device(tensors: Sequence[object]) -> torch.device | None:
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            return t.device if t.device.index is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _cuda_workspaces(run_graph, op_index: dict[str, int], count: int,
+                     device: torch.device) -> list[int]:
+    """One warm-up run of the graph, measuring each op's scratch bytes on the allocator."""
+    from .memory import reset_cuda_peak
+
+    result = [0] * count
+
+    def measured(node, args, kwargs):
+        torch.cuda.synchronize(device)
+        reset_cuda_peak(device)
+        out = node.target(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        k = op_index.get(node.name)
+        if k is not None:
+            peak = torch.cuda.max_memory_allocated(device)
+            result[k] = max(0, peak - torch.cuda.memory_allocated(device))
+        return out
+
+    run_graph(measured)
+    return result
+
+
+def _cuda_timer(op_index: dict, samples: list[list[float]]):
+    """An FX-node callback timing each op with CUDA events (NOTE [ Measuring ops on CUDA ])."""
+
+    def timed(node, args, kwargs):
+        if node not in op_index:
+            return node.target(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = node.target(*args, **kwargs)
+        end.record()
+        end.synchronize()
+        samples[op_index[node]].append(start.elapsed_time(end) / 1000.0)
+        return out
+
+    return timed
 
 
 def _sync_for(tensors: Sequence[torch.Tensor]):

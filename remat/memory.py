@@ -43,6 +43,7 @@ class MemoryTracker:
     marks: list[int] = field(default_factory=list)
     _done: bool = field(default=False, repr=False)
     _start: int = field(default=0, repr=False)
+    _cuda_floor: int = field(default=0, repr=False)
     _sentinels: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def mark(self) -> None:
@@ -87,14 +88,19 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
     dev = torch.device(device)
     tracker = MemoryTracker(device=str(dev))
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.synchronize(dev)
         start = tracker._start = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        _CUDA_TRACKERS.append((dev, tracker))
         try:
             yield tracker
         finally:
+            _CUDA_TRACKERS.remove((dev, tracker))
             torch.cuda.synchronize(dev)
-            tracker.peak_bytes = torch.cuda.max_memory_allocated(dev) - start
+            peak = max(torch.cuda.max_memory_allocated(dev), tracker._cuda_floor)
+            tracker.peak_bytes = peak - start
             tracker.end_bytes = torch.cuda.memory_allocated(dev) - start
             tracker._done = True
         return
@@ -149,6 +155,24 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
         tracker._sentinels.clear()
         tracker.num_events = len(events)
         tracker._done = True
+
+
+# CUDA trackers open now, innermost last: see :func:`reset_cuda_peak`.
+_CUDA_TRACKERS: list[tuple[torch.device, MemoryTracker]] = []
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """``torch.cuda.reset_peak_memory_stats`` that open :func:`track_memory` blocks survive.
+
+    The caching allocator has one peak counter per device; a reset inside a ``track_memory``
+    block (remat's op profiling resets it around every op) would lose the block's peak. The
+    peak so far is kept as each open tracker's floor first.
+    """
+    peak = torch.cuda.max_memory_allocated(device)
+    for dev, tracker in _CUDA_TRACKERS:
+        if dev == device:
+            tracker._cuda_floor = max(tracker._cuda_floor, peak)
+    torch.cuda.reset_peak_memory_stats(device)
 
 
 def _memory_profile() -> "torch.profiler.profile":
