@@ -95,14 +95,21 @@ class HierarchicalSolver:
         try:
             # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
             # neither wins everywhere, and the simulator tells which schedule is faster.
-            found = [self._hierarchical(problem, self.use_ilp, deadline, rule, bar,
-                                        mid_ilp=not exact_top)
-                     for rule in REGION_RULES]
+            # Past the deadline no further hierarchy starts: time_limit caps the solve, and
+            # the first hierarchy always gives a schedule.
+            found = []
+            for rule in REGION_RULES:
+                if found and time.perf_counter() >= deadline:
+                    break
+                found.append(self._hierarchical(problem, self.use_ilp, deadline, rule, bar,
+                                                mid_ilp=not exact_top))
             if self.use_ilp:
                 # The same hierarchies with keep-all/keep-nothing options only: cheap, and their
                 # DP model is sometimes the more accurate one at very low budgets.
-                found += [self._hierarchical(problem, False, deadline, rule, bar)
-                          for rule in REGION_RULES]
+                for rule in REGION_RULES:
+                    if time.perf_counter() >= deadline:
+                        break
+                    found.append(self._hierarchical(problem, False, deadline, rule, bar))
                 remaining = deadline - time.perf_counter()
                 if exact_top:
                     bar.phase("exact ILP of the whole graph")
@@ -211,10 +218,11 @@ class _Context:
                 # the first linear's output, recompute the activation after it): 1-2 layer
                 # GPTs at 80%, +7.6% step time from composed options alone vs +3.7% exact.
                 exact = block_options(sub, time_limit=limit, use_ilp=True,
-                                      max_variables=_MID_BLOCK_VARIABLES, **_MID_BLOCK_GRID)
+                                      max_variables=_MID_BLOCK_VARIABLES, deadline=self.deadline,
+                                      **_MID_BLOCK_GRID)
                 return dataclasses.replace(composed,
                                            options=pareto([*composed.options, *exact.options]))
-        return block_options(sub, time_limit=limit, use_ilp=use_ilp)
+        return block_options(sub, time_limit=limit, use_ilp=use_ilp, deadline=self.deadline)
 
     def _compose(self, sub: RematGraph, chain: Chain, depth: int) -> BlockOptions:
         """Options of a block from the chain DP over its children, at a grid of capacities."""

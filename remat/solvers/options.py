@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 
 from ..graph import RematGraph, ValueKind
@@ -138,7 +139,7 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
                   save_grid: tuple[float, ...] = SAVE_GRID, peak_grid: tuple[float, ...] = PEAK_GRID,
                   peak_range_grid: tuple[float, ...] = PEAK_RANGE_GRID,
                   max_nodes: int | None = None,
-                  use_ilp: bool = True) -> BlockOptions:
+                  use_ilp: bool = True, deadline: float | None = None) -> BlockOptions:
     """Compute the options of a block. See NOTE [ Block options ].
 
     Args:
@@ -151,6 +152,8 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
             "least memory" option's) to its peak when keeping everything.
         use_ilp: Compute the in-between options with the ILP (else only "all" and "none").
         max_nodes: Bound on each ILP's branch-and-bound nodes (HiGHS), besides the time limit.
+        deadline: ``time.perf_counter()`` value after which no further ILP starts (and none
+            runs past it): the options found so far are returned.
 
     Returns:
         The block's :class:`BlockOptions`.
@@ -177,10 +180,15 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
                           for f in peak_range_grid if top > low})
             limits += [(name, peak, None) for peak, name in sorted(peaks.items())]
             for name, peak, kept in limits:
+                limit = time_limit
+                if deadline is not None:
+                    limit = min(limit, deadline - time.perf_counter())
+                    if limit < 0.05:
+                        break
                 options = {"max_variables": max_variables, "max_nodes": max_nodes}
                 if kept is not None:
                     options["save_budget"] = kept
-                result = ILPSolver().solve(Problem(sub, peak, time_limit=time_limit, options=options))
+                result = ILPSolver().solve(Problem(sub, peak, time_limit=limit, options=options))
                 if result.schedule is not None and result.status != "infeasible":
                     candidates.append(option_from_schedule(sub, f"ilp:{name}", result.schedule))
     # A forward that keeps nothing still keeps what random ops drew (the "none" option's saves).

@@ -269,3 +269,24 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
     assert said == "interrupted", (out, err)
     waited = float(when) - sent
     assert waited < 1.0, f"{solver}: {waited:.2f} s from Ctrl-C to KeyboardInterrupt"
+
+
+def test_time_limit_caps_the_solve():
+    """Issue 14: past the deadline no further hierarchy or block ILP starts (an 800-op chain at
+    time_limit=2 took 8.5 s before); the first hierarchy always runs, so it is the margin."""
+    import random
+    import time
+
+    random.seed(0)
+    graph = chain([random.uniform(0.2, 3) for _ in range(400)], act=A, grad=D, per_layer=4)
+    budget = int(0.5 * baseline(graph))
+    hierarchical = get_solver("hierarchical")
+    problem = Problem(graph, budget, time_limit=2.0, options={"progress": False})
+    start = time.perf_counter()
+    hierarchical._hierarchical(problem, True, start + 2.0, "reads")
+    first = time.perf_counter() - start  # the one hierarchy that runs whatever the deadline
+    start = time.perf_counter()
+    result = hierarchical.solve(Problem(graph, budget, time_limit=2.0, options={"progress": False}))
+    took = time.perf_counter() - start
+    assert result.simulation.peak_bytes <= budget
+    assert took <= 2.0 + first + 0.5, f"time_limit=2 took {took:.2f} s (one hierarchy: {first:.2f} s)"
