@@ -23,8 +23,6 @@ from integrations.lightning import HiRemateCallback  # noqa: E402
 VOCAB, MIN_LEN, MAX_LEN, MAX_BATCH = 96, 32, 512, 8
 # Allocations outside the schedule's model (the loop's scalars, allocator detail).
 SLACK_BYTES = 4096
-# See the OPEN note in the test: the measured excess seen on a Lightning step, not yet explained.
-LIGHTNING_TOLERANCE = 1.25
 
 
 class LitGPT(pl.LightningModule):
@@ -104,7 +102,8 @@ def test_dynamic_padding_in_lightning_same_losses_within_budget_few_solves(capsy
     assert torch.equal(losses, plain), (losses - plain).abs().max()
     shapes = net.shapes
     family = shapes.families[next(iter(shapes.families))]
-    within = 0
+    checked = 0
+    worst = 0.0
     for k, batch in enumerate(batches):
         sizes = tuple(batch.shape)
         choice = shapes.choose(family.key, sizes)
@@ -112,22 +111,24 @@ def test_dynamic_padding_in_lightning_same_losses_within_budget_few_solves(capsy
         # also traces it: the steady state is what the budget is about.
         if choice.fits and sizes[0] > 1 and not record.compiled_here[k]:
             budget = shapes.budget_at(family, sizes)
-            # OPEN (issue 11 note): in about one run in three, one Lightning step measured up to
-            # 20% above its schedule's prediction, which is exact when the same schedule is
-            # called directly (tests/remat/test_shapes.py holds the budget to the byte).
-            assert record.peaks[k] <= LIGHTNING_TOLERANCE * budget + SLACK_BYTES, (
+            # Every steady step within its budget. (Once up to 20% above in one run in three:
+            # the warmup recorded `input_ids=batch, labels=batch` as two tensors, so the first
+            # real call was a new specialisation captured inside a step; fixed in issue 12.
+            # 8 runs since: every step within, the largest at 0.93 of its budget.)
+            assert record.peaks[k] <= budget + SLACK_BYTES, (
                 sizes, record.peaks[k], choice, budget, shapes.summary())
-            within += record.peaks[k] <= budget + SLACK_BYTES
+            checked += 1
+            worst = max(worst, record.peaks[k] / budget)
     solves = len(net.plans)
     # Graphs dynamo specialises (a batch of 1, a length equal to n_positions) are solved once
     # each on their own; the bound is on the solves of the one captured graph.
     own = sum(e.plan is not None and e.family == family.key for e in shapes.entries)
     with capsys.disabled():
         print(f"\nLightning, 40 steps, 30 lengths: {solves} solves ({own} for the captured "
-              f"graph, {len(shapes.families) - 1} specialised graphs), {within} steps measured "
-              f"within the budget")
+              f"graph, {len(shapes.families) - 1} specialised graphs), every one of {checked} "
+              f"steps measured within the budget (largest: {worst:.3f} of it)")
     assert own <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1
-    assert within >= 20
+    assert checked >= 20
 
 
 class Deep(nn.Module):
