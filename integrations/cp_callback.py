@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         'CPCompressionCallback needs Lightning: pip install "hiremate[lightning]"'
     ) from e
 
+from integrations._remat_modules import remat_modules
 from quant.cp import (
     CompressionPlan,
     CompressionReport,
@@ -97,9 +98,7 @@ def _has_remat_callback(trainer: Any) -> bool:
 
 def _refuse_remat_modules(pl_module: nn.Module, when: str | int) -> None:
     """Raise when layers would be replaced inside a captured ``remat.RematModule``."""
-    remat = sys.modules.get("remat")
-    names = [n for n, m in pl_module.named_modules()
-             if remat is not None and isinstance(m, remat.RematModule)]
+    names = [n for n, _ in remat_modules(pl_module)]
     if names:
         raise ValueError(
             f"CPCompressionCallback(when={when!r}): {', '.join(names)} is rematerialized (a "

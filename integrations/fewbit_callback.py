@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -55,12 +54,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         'FewBitCallback needs Lightning; install it with pip install "hiremate[lightning]"'
     ) from e
 
+from integrations._remat_modules import remat_modules
 from quant.fewbit import FewBitMemoryMeter, FewBitMemoryReport, ReplacementReport
 from quant.fewbit import replace_activations
 from quant.fewbit._checks import check_bits
-from quant.fewbit.activations import spec_for_module
 from quant.fewbit.modules import _FewBitActivation
-from quant.fewbit.replace import _check_selectors, _matches
+from quant.fewbit.replace import _check_selectors, _selected
 
 __all__ = ["FewBitCallback"]
 
@@ -71,15 +70,6 @@ Selector = Union[str, type]
 #: ``FewBitCallback.measured_on`` values.
 WARMUP_STEP = "HiRemateCallback's eager warmup step"
 FIRST_STEP = "the first training step"
-
-
-def _remat_modules(root: "pl.LightningModule") -> list[tuple[str, Any]]:
-    """``(name, module)`` of every ``remat.RematModule`` in ``root`` (none if remat was never
-    imported: then none can exist, and importing it here would cost seconds)."""
-    remat = sys.modules.get("remat")
-    if remat is None:
-        return []
-    return [(n, m) for n, m in root.named_modules() if isinstance(m, remat.RematModule)]
 
 
 class FewBitCallback(Callback):
@@ -170,19 +160,11 @@ class FewBitCallback(Callback):
         if self.report is None or not self.report.replaced:
             rank_zero_info("FewBitCallback: no activation module was replaced")
 
-    def _selected(self, name: str, module: Any) -> bool:
-        """Whether :func:`replace_activations` would replace ``module`` (called ``name``)."""
-        if spec_for_module(module) is None or isinstance(module, _FewBitActivation):
-            return False
-        if self.include and not any(_matches(s, name, module) for s in self.include):
-            return False
-        return not any(_matches(s, name, module) for s in self.exclude or ())
-
     def _refuse_captured(self, pl_module: "pl.LightningModule") -> None:
         """Raise when an activation to replace is inside a captured ``remat.RematModule``."""
-        for prefix, rm in _remat_modules(pl_module):
-            names = [f"{prefix}.{n}" for n, m in rm.named_modules() if n and self._selected(
-                f"{prefix}.{n}", m)]
+        for prefix, rm in remat_modules(pl_module):
+            names = [f"{prefix}.{n}" for n, m in rm.named_modules()
+                     if n and _selected(f"{prefix}.{n}", m, self.include or (), self.exclude or ())]
             if names:
                 raise ValueError(
                     f"FewBitCallback: {prefix!r} is already rematerialized (a remat.RematModule), "
@@ -215,7 +197,7 @@ class FewBitCallback(Callback):
     ) -> None:
         if not self.measure or self._measured or self._meter is not None:
             return
-        hidden = [name for name, rm in _remat_modules(pl_module)
+        hidden = [name for name, rm in remat_modules(pl_module)
                   if any(isinstance(m, _FewBitActivation) for m in rm.modules())]
         if hidden:  # a RematModule made outside HiRemateCallback: no eager step to measure
             self._measured = True

@@ -10,7 +10,7 @@ Example:
     >>> recipe = load_recipe("recipes/cnn_plain.yaml", ["trainer.max_steps=5"])
     >>> summary = run_recipe(recipe)  # doctest: +SKIP
 """
-import importlib
+from recipes._lazy import lazy_exports
 
 from recipes.config import load_recipe, parse_override, recipe_to_yaml
 from recipes.errors import InvalidValue, RecipeError
@@ -46,14 +46,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recipes' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

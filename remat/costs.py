@@ -90,10 +90,9 @@ def measure_op_times(
                     env.pop(arg, None)
 
     with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-        sync = _sync_for(primals)
         cuda = _cuda_device(primals)
+        names = {node.name: i for node, i in op_index.items()}
         if cuda is not None:  # NOTE [ Measuring ops on CUDA ]
-            names = {node.name: i for node, i in op_index.items()}
             workspaces = _cuda_workspaces(run_graph, names, len(workspaces), cuda)
         elif torch._C._autograd._profiler_enabled():
             # NOTE [ Capturing inside a profiler ]: a second profiler session would end the one
@@ -104,18 +103,16 @@ def measure_op_times(
                         "be a little low. Capture outside the profiler for exact predictions.")
             run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
         else:
-            names = {node.name: i for node, i in op_index.items()}
             workspaces = _cpu_workspaces(run_graph, names, len(workspaces))
 
         def timed(node, args, kwargs):
             start = time.perf_counter()
             out = node.target(*args, **kwargs)
-            sync()
             if node in op_index:
                 samples[op_index[node]].append(time.perf_counter() - start)
             return out
 
-        if cuda is not None:
+        if cuda is not None:  # kernels are asynchronous: CUDA events instead
             timed = _cuda_timer(op_index, samples)
 
         for _ in range(repeats):
@@ -232,13 +229,6 @@ def _cuda_timer(op_index: dict, samples: list[list[float]]):
         return out
 
     return timed
-
-
-def _sync_for(tensors: Sequence[torch.Tensor]):
-    devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
-    if devices:
-        return torch.cuda.synchronize
-    return lambda: None
 
 
 def model_op_times(lowered: Lowered) -> list[float]:

@@ -160,6 +160,17 @@ def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
     return fnmatch.fnmatchcase(name, selector) or fnmatch.fnmatchcase(type(module).__name__, selector)
 
 
+def _selected(name: str, module: nn.Module, include: Sequence[Selector],
+              exclude: Sequence[Selector]) -> bool:
+    """Whether :func:`replace_activations` with these (checked) selectors replaces ``module``,
+    registered as ``name``."""
+    if isinstance(module, _FewBitActivation) or spec_for_module(module) is None:
+        return False
+    if include and not any(_matches(s, name, module) for s in include):
+        return False
+    return not any(_matches(s, name, module) for s in exclude)
+
+
 def _table_device(model: nn.Module, parent: nn.Module) -> Optional[torch.device]:
     for source in (parent, model):
         for t in (*source.parameters(), *source.buffers()):
@@ -301,12 +312,8 @@ def replace_activations(
                         name, type(child).__name__, UNSUPPORTED_ACTIVATIONS[type(child)]
                     ))
                 continue
-            if include_:
-                hits = [i for i, s in enumerate(include_) if _matches(s, name, child)]
-                used_patterns.update(hits)
-                if not hits:
-                    continue
-            if any(_matches(s, name, child) for s in exclude_):
+            used_patterns.update(i for i, s in enumerate(include_) if _matches(s, name, child))
+            if not _selected(name, child, include_, exclude_):
                 continue
             new = done.get(id(child))
             if new is None:

@@ -4,7 +4,7 @@ The DataModules need Lightning, so this package loads its names on first use: a 
 import the cheap helpers (``recipes.data.stdlib_files``) while a recipe is validated without
 importing Lightning.
 """
-import importlib
+from recipes._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -19,14 +19,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recipes.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
