@@ -6,14 +6,18 @@ graph and never mutates its input, so every solver can be tested from a literal 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from ..graph import RematGraph
 from ..schedule import Schedule, Simulation, simulate
 
-__all__ = ["Problem", "SolveResult", "Solver", "STATUSES", "finish"]
+__all__ = ["Problem", "SolveResult", "Solver", "STATUSES", "describe_cuts", "finish", "time_cut",
+           "watch_time_cuts"]
 
 # "optimal": proven best for the solver's model; "feasible": within budget, not proven best;
 # "time_limit": the time limit stopped the search, the best schedule found is returned;
@@ -90,3 +94,41 @@ def finish(name: str, problem: Problem, schedule: Schedule, started: float, *,
         solve_time_s=time.perf_counter() - started,
         detail=detail,
     )
+
+
+# NOTE [ Work bounds and the time cap ]
+# Every part of a solve is bounded by work, not by the clock: MIPs by branch-and-bound nodes,
+# polishing by trials, the hierarchy by its fixed list of runs. A solve that finishes within its
+# time limit therefore gives the same schedule on an idle and on a busy machine, and the same
+# schedule under any other time limit it also finishes within. ``time_limit`` stays a hard cap:
+# where it stops work (a MIP at its time limit, a hierarchy or ILP not started, polishing cut
+# short), the part reports it here, and the solve reports status ``"time_limit"`` with what was
+# cut in its detail: its schedule may then differ from run to run.
+_CUTS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("remat_time_cuts",
+                                                                     default=None)
+
+
+def time_cut(what: str) -> None:
+    """Record that the time cap stopped ``what`` (see NOTE [ Work bounds and the time cap ])."""
+    cuts = _CUTS.get()
+    if cuts is not None:
+        cuts[what] += 1
+
+
+@contextlib.contextmanager
+def watch_time_cuts():
+    """Collect :func:`time_cut` records made in this block (a ``Counter``: what -> times)."""
+    cuts: Counter = Counter()
+    token = _CUTS.set(cuts)
+    try:
+        yield cuts
+    finally:
+        _CUTS.reset(token)
+
+
+def describe_cuts(cuts: Counter) -> str:
+    """``"cut by the time limit: 2 MIPs stopped, polishing"``, or ``""`` when nothing was."""
+    if not cuts:
+        return ""
+    parts = [what if n == 1 else f"{what} (x{n})" for what, n in sorted(cuts.items())]
+    return "cut by the time limit: " + ", ".join(parts)

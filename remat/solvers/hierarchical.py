@@ -19,11 +19,20 @@ NOTE [ Hierarchical solving ]
    schedule whose simulated peak fits the budget, since the DP's memory model is approximate.
 5. *Polish* (:mod:`remat.solvers.polish`): the memory the coarse upper level leaves unused is
    spent greedily on keeping recomputed values, each change checked by the simulator.
+
+The solve runs a fixed list of hierarchies (two region rules; for small graphs a second, fine
+top level, NOTE [ Fine and coarse top levels ]; keep/recompute-only options), and for graphs
+whose whole ILP is small, that ILP in a second thread (NOTE [ The exact ILP beside the
+hierarchy ]). The fastest schedule that fits wins. Every part is bounded by work, so an uncut
+solve's schedule does not depend on the machine's load (NOTE [ Work bounds and the time cap ]).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 import logging
+import threading
 import time
 from typing import ClassVar
 
@@ -32,10 +41,10 @@ from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
 from ..segments import REGION_RULES, Chain, chain_structure
 from ..subgraph import Subgraph, extract_subgraph
-from .base import Problem, SolveResult, finish
+from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .chain import ChainTable, Stage, StageOption, solve_chain
 from .dag import block_dag, solve_block_dag
-from .ilp import ILPSolver, _Model
+from .ilp import _CANCEL, ILPSolver, _Model
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
 from .polish import polish
 
@@ -44,25 +53,42 @@ __all__ = ["HierarchicalSolver", "DPSolver"]
 log = logging.getLogger(__name__)
 
 _SLOTS = 600
-_TOP_ILP_VARIABLES = 4_000  # graphs whose whole ILP is this small are also solved exactly
+# Graphs whose whole ILP is this small are also solved exactly. Above it the exact solve costs
+# more than it finds: a 2-layer GPT (3,919 binaries) took 16-19 s for +8.0%/+18.6% step time at
+# 70%/50% where the fine hierarchy (below) finds +7.2%/+17.4% in 4 s; a 1-layer GPT (1,364
+# binaries) takes 2.7 s and beats the hierarchies (+9.0% vs +13.3% at 70%).
+_TOP_ILP_VARIABLES = 2_500
 _TOP_ILP_SHARE = 0.25  # of the time limit, for that exact solve (it finds its optimum early)
 # ... and a bound on its work, so that the same graph gets the same schedule on a busy machine
 # (the time cap remains a safety net; DDP ranks share rank 0's plan through the cache anyway).
 _TOP_ILP_NODES = 300
 _INNER_SLOTS = 200
+# Each leaf block's MIPs (one per grid limit, NOTE [ Block options ]): bounded in nodes, with a
+# time limit that only guards against a pathological block.
+_LEAF_NODES = 500
+_LEAF_TIME_LIMIT = 5.0
 _MID_BLOCK_VARIABLES = 3_000  # composed blocks whose ILP is this small also get ILP options
 # ... on a coarser grid than leaves (each point is one MIP solve of a whole transformer layer).
 # Their MIPs are bounded in nodes too: the root node does the work (same options at 10 nodes
 # as unbounded on a GPT layer), and a node bound does not depend on machine load.
 _MID_BLOCK_GRID = {"save_grid": (0.15, 0.3, 0.5, 0.75), "peak_grid": (), "peak_range_grid": (0.4,),
                    "max_nodes": 50}
+# NOTE [ Fine and coarse top levels ]: a small graph is also solved with its top level cut at
+# leaf size (every segment at most ``leaf_ops`` forward ops, each with exact ILP options): the
+# chain DP then weighs every trade-off across a transformer layer's attention and MLP at full
+# resolution, which composed options only approximate (2-layer GPT at 50%: +17.4% step time vs
+# +27.9% for the coarse hierarchy with mid-block ILPs, +18.6% for the whole-graph ILP after
+# 19 s). Past this many segments the chain DP's slots are too coarse for the fine level (24-layer
+# GPT: 197 segments, +13.1% vs +7.5%, and 3x the time), so large graphs keep the coarse one.
+_FINE_MAX_SEGMENTS = 32
 _HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
 _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * options) binaries
-_DAG_SHARE = 0.25  # of the time limit, for the block ILP
 # Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
 # graph gets the same schedule on a busy machine; ~10-20 ms each on a 3,000-op graph.
 _POLISH_TRIALS = 300
 _POLISH_RUNNER_UP = 1.01  # a second-best schedule this close to the best is polished too
+# The thread the whole-graph ILP runs in (NOTE [ The exact ILP beside the hierarchy ]).
+_BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remat-exact-ilp")
 
 
 class HierarchicalSolver:
@@ -75,8 +101,9 @@ class HierarchicalSolver:
         progress: show one progress bar per solve over its phases (default ``True``).
         block_ilp: where storages cross several top-level blocks (a U-Net's skips), also solve
             the upper level with the block ILP (NOTE [ The block ILP ]; default ``True``).
-        exact_top: also solve graphs small enough for it with the exact ILP and keep the faster
-            schedule (default ``True``; ``False`` shows what the hierarchy alone finds).
+        exact_top: also solve the whole graph with the exact ILP, beside the hierarchy, and keep
+            the faster schedule: ``"auto"`` (default) where its model has at most 2,500
+            binaries, ``True`` always, ``False`` never (what the hierarchy alone finds).
     """
 
     name: ClassVar[str] = "hierarchical"
@@ -88,42 +115,35 @@ class HierarchicalSolver:
         graph = problem.graph
         # Small enough for the exact ILP at the top: HiRemate solves small levels exactly. The
         # hierarchy then skips the ILP options of mid-sized blocks, which that solve subsumes.
-        exact_top = (self.use_ilp and problem.options.get("exact_top", True)
-                     and _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES)
-        phases = len(REGION_RULES) * (2 if self.use_ilp else 1) + int(exact_top)
-        bar = _SolveProgress(bool(problem.options.get("progress", True)), phases,
-                             problem.time_limit)
-        try:
-            # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
-            # neither wins everywhere, and the simulator tells which schedule is faster.
-            # Past the deadline no further hierarchy starts: time_limit caps the solve, and
-            # the first hierarchy always gives a schedule.
-            found = []
-            for rule in REGION_RULES:
-                if found and time.perf_counter() >= deadline:
-                    break
-                found += self._hierarchical(problem, self.use_ilp, deadline, rule, bar,
-                                            mid_ilp=not exact_top)
-            if self.use_ilp:
-                # The same hierarchies with keep-all/keep-nothing options only: cheap, and their
-                # DP model is sometimes the more accurate one at very low budgets.
-                for rule in REGION_RULES:
-                    if time.perf_counter() >= deadline:
-                        break
-                    found += self._hierarchical(problem, False, deadline, rule, bar)
-                remaining = deadline - time.perf_counter()
-                if exact_top:
-                    bar.phase("exact ILP of the whole graph")
-                    if remaining > 2.0:
-                        found.append(ILPSolver().solve(Problem(
-                            graph, problem.budget_bytes,
-                            time_limit=min(0.8 * remaining, _TOP_ILP_SHARE * problem.time_limit),
-                            options={"max_nodes": _TOP_ILP_NODES})))
-        finally:
-            bar.close()
-        feasible = sorted((r for r in found if r.schedule is not None and r.status != "infeasible"),
-                          key=lambda r: r.simulation.time)
-        if feasible:
+        exact_top = problem.options.get("exact_top", "auto")
+        if exact_top not in ("auto", True, False):
+            raise ValueError(f"exact_top={exact_top!r}: expected 'auto', True or False")
+        if exact_top == "auto":
+            exact_top = _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES
+        exact_top = self.use_ilp and exact_top
+        tops = (_top_levels(graph, problem.options) if self.use_ilp
+                else [int(problem.options.get("max_block_ops", 120))])
+        runs = [(top, rule, self.use_ilp) for top in tops for rule in REGION_RULES]
+        if self.use_ilp:
+            # The coarse hierarchies with keep-all/keep-nothing options only: cheap, and their
+            # DP model is sometimes the more accurate one at very low budgets.
+            runs += [(tops[0], rule, False) for rule in REGION_RULES]
+        bar = _SolveProgress(bool(problem.options.get("progress", True)),
+                             len(runs) + int(exact_top), problem.time_limit)
+        with watch_time_cuts() as cuts:
+            try:
+                found = self._candidates(problem, runs, tops, exact_top, deadline, bar)
+            finally:
+                bar.close()
+            feasible = sorted((r for r in found
+                               if r.schedule is not None and r.status != "infeasible"),
+                              key=lambda r: r.simulation.time)
+            if not feasible:
+                lowest = min((r for r in found if r.schedule is not None),
+                             key=lambda r: r.simulation.peak_bytes)
+                cut = describe_cuts(cuts)
+                return finish(self.name, problem, lowest.schedule, started, proven=False,
+                              detail=f"{lowest.solver}: {lowest.detail}" + (f"; {cut}" if cut else ""))
             # NOTE [ Polishing the finalists ]: polishing costs ~300 simulations (5-8 s on a
             # 3,400-op graph) and moved no candidate past another on the benchmark models
             # (GPT-24 at 50%/33%: +0.01-0.4% each), so only the best schedule, and a runner-up
@@ -134,27 +154,76 @@ class HierarchicalSolver:
             polished = [(r, polish(graph, r.schedule, problem.budget_bytes, deadline=deadline,
                                    max_trials=_POLISH_TRIALS, simulation=r.simulation))
                         for r in finalists]
-            best, (schedule, _) = min(polished, key=lambda item: item[1][1].time)
-            return finish(self.name, problem, schedule, started, proven=False,
-                          detail=f"{best.solver}: {best.detail}",
-                          timed_out=time.perf_counter() > deadline)
-        lowest = min((r for r in found if r.schedule is not None),
-                     key=lambda r: r.simulation.peak_bytes)
-        return finish(self.name, problem, lowest.schedule, started, proven=False,
-                      detail=f"{lowest.solver}: {lowest.detail}")
+        best, (schedule, _) = min(polished, key=lambda item: item[1][1].time)
+        cut = describe_cuts(cuts)
+        return finish(self.name, problem, schedule, started, proven=False,
+                      detail=f"{best.solver}: {best.detail}" + (f"; {cut}" if cut else ""),
+                      timed_out=bool(cuts) or time.perf_counter() > deadline)
+
+    def _candidates(self, problem: Problem, runs: list[tuple[int, str, bool]], tops: list[int],
+                    exact_top: bool, deadline: float, bar: "_SolveProgress") -> list[SolveResult]:
+        """Every hierarchy's schedules, and the exact ILP's where it runs, unpolished.
+
+        NOTE [ The exact ILP beside the hierarchy ]: the whole-graph ILP of a small graph runs
+        in a second thread from the start (HiGHS works without the GIL), so a solve costs the
+        longer of the two, not their sum, where a second core is free (1-layer GPT: 4.6 s ->
+        2.9 s). Both are bounded by work, so which one wins does not depend on timing.
+        """
+        found: list[SolveResult] = []
+        exact = cancel = None
+        if exact_top:
+            cancel = threading.Event()
+            context = contextvars.copy_context()  # the time-cut record, and the cancel event
+            context.run(_CANCEL.set, cancel)
+            limit = min(0.8, _TOP_ILP_SHARE) * problem.time_limit
+            exact = _BACKGROUND.submit(context.run, ILPSolver().solve, Problem(
+                problem.graph, problem.budget_bytes, time_limit=limit,
+                options={"max_nodes": _TOP_ILP_NODES}))
+        try:
+            # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
+            # neither wins everywhere, and the simulator tells which schedule is faster.
+            # Past the deadline no further hierarchy starts: time_limit caps the solve, and
+            # the first hierarchy always gives a schedule.
+            for top, rule, use_ilp in runs:
+                if found and time.perf_counter() >= deadline:
+                    time_cut("hierarchies not run")
+                    continue
+                found += self._hierarchical(
+                    problem, use_ilp, deadline, rule, bar, top_ops=top,
+                    # Mid-block ILP options only where no finer level subsumes them, and the
+                    # block ILP only over the coarse level (over the fine one a transformer's
+                    # residuals cross every segment: 10 s more for nothing on a 1-layer GPT).
+                    mid_ilp=not exact_top and len(tops) == 1, block_ilp=top == tops[0])
+            if exact is not None:
+                bar.phase("exact ILP of the whole graph")
+                while True:  # in slices, so that Ctrl-C reaches this thread
+                    try:
+                        found.append(exact.result(timeout=0.05))
+                        break
+                    except concurrent.futures.TimeoutError:
+                        continue
+        except BaseException:
+            if exact is not None:
+                cancel.set()
+                concurrent.futures.wait([exact], timeout=5.0)
+            raise
+        return found
 
     def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,
-                      bar: "_SolveProgress | None" = None, *, mid_ilp: bool = False
-                      ) -> list[SolveResult]:
+                      bar: "_SolveProgress | None" = None, *, top_ops: int | None = None,
+                      mid_ilp: bool = False, block_ilp: bool = True) -> list[SolveResult]:
         """One hierarchy's schedules, unpolished: one per upper level that found one (the chain
-        DP, the block ILP), else the lowest-peak schedule it saw."""
+        DP, the block ILP), else the lowest-peak schedule it saw. ``top_ops`` bounds the top
+        level's segments (default: the ``max_block_ops`` option)."""
         started = time.perf_counter()
         graph = problem.graph
         bar = bar or _SolveProgress(False, 1, problem.time_limit)
-        bar.phase(f"{'block options' if use_ilp else 'keep/recompute blocks'}, "
-                  f"regions by {regions}")
         ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp, bar=bar)
-        chain = chain_structure(graph, max_block_ops=ctx.max_block_ops, regions=regions)
+        top_ops = top_ops or ctx.max_block_ops
+        bar.phase(f"{'block options' if use_ilp else 'keep/recompute blocks'}, "
+                  f"{'fine top level, ' if top_ops < ctx.max_block_ops else ''}"
+                  f"regions by {regions}")
+        chain = chain_structure(graph, max_block_ops=top_ops, regions=regions)
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
         table = solve_chain(_stages(chain, options), chain.cut_bytes[-1],
@@ -163,13 +232,13 @@ class HierarchicalSolver:
         best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
         candidates = {"chain DP": best} if best is not None else {}
         dag = (block_dag(graph, chain, subs, options)
-               if use_ilp and problem.options.get("block_ilp", True) and len(subs) <= _DAG_MAX_BLOCKS
+               if use_ilp and block_ilp and problem.options.get("block_ilp", True)
+               and len(subs) <= _DAG_MAX_BLOCKS
                else None)
         if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
             # Storages cross several blocks: the block ILP models each of them once.
             found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
-                                    deadline=min(deadline, time.perf_counter() + _DAG_SHARE *
-                                                 problem.time_limit))
+                                    deadline=deadline)
             if found is not None:
                 candidates["block ILP"] = found[0]
         name = "hierarchical" if use_ilp else "dp"
@@ -213,9 +282,13 @@ class _Context:
         return result
 
     def _solve_block(self, sub: RematGraph, depth: int) -> BlockOptions:
-        remaining = max(0.0, self.deadline - time.perf_counter())
-        use_ilp = self.use_ilp and remaining > 1.0 and sub.num_forward <= 2 * self.leaf_ops
-        limit = self.option_time_limit or max(0.5, min(5.0, remaining / 20))
+        small = sub.num_forward <= 2 * self.leaf_ops
+        use_ilp = self.use_ilp and small and self.deadline - time.perf_counter() > 1.0
+        if self.use_ilp and small and not use_ilp:
+            time_cut("block options not computed")
+        # A fixed limit, not a share of the time left: the node bound ends these MIPs, and the
+        # limit is only a safety net (NOTE [ Work bounds and the time cap ]).
+        limit = self.option_time_limit or _LEAF_TIME_LIMIT
         if sub.num_forward > self.leaf_ops and depth < 6:
             chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2),
                                     regions=self.regions)
@@ -232,7 +305,8 @@ class _Context:
                                       **_MID_BLOCK_GRID)
                 return dataclasses.replace(composed,
                                            options=pareto([*composed.options, *exact.options]))
-        return block_options(sub, time_limit=limit, use_ilp=use_ilp, deadline=self.deadline)
+        return block_options(sub, time_limit=limit, use_ilp=use_ilp, deadline=self.deadline,
+                             max_nodes=_LEAF_NODES)
 
     def _compose(self, sub: RematGraph, chain: Chain, depth: int) -> BlockOptions:
         """Options of a block from the chain DP over its children, at a grid of capacities."""
@@ -260,6 +334,19 @@ class _Context:
             nosave_peak=leaf.nosave_peak,
         )
 
+
+
+def _top_levels(graph: RematGraph, options: dict) -> list[int]:
+    """Bounds on the top level's segment size to solve with: the coarse one (``max_block_ops``)
+    and, for small graphs, a fine one (NOTE [ Fine and coarse top levels ])."""
+    coarse = int(options.get("max_block_ops", 120))
+    fine = int(options.get("leaf_ops", 40))
+    if fine >= coarse:
+        return [coarse]
+    cut = chain_structure(graph, max_block_ops=fine).segments
+    if len(cut) > _FINE_MAX_SEGMENTS or cut == chain_structure(graph, max_block_ops=coarse).segments:
+        return [coarse]
+    return [coarse, fine]
 
 
 def _grid(table: ChainTable, points: int = 16) -> list[int]:

@@ -28,19 +28,26 @@ Beyond ``max_variables`` the ILP is refused with a message pointing to ``"hierar
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import os
 import sys
+import threading
 import time
 from typing import ClassVar
 
 import pulp
 
+try:
+    import highspy
+except ImportError:  # PuLP's CBC is used instead (make_mip_solver)
+    highspy = None
+
 from ..graph import RematGraph, ValueKind
 from ..liveness import liveness
 from ..schedule import Schedule, forward_ops_needed, remake_views, save_all_schedule, tidy
-from .base import Problem, SolveResult, finish
+from .base import Problem, SolveResult, finish, time_cut
 
 __all__ = ["ILPSolver", "make_mip_solver"]
 
@@ -66,19 +73,39 @@ class _HiGHS(pulp.HiGHS):
       interrupt callbacks and the interrupt is raised again once HiGHS has stopped.
     """
 
+    def createAndConfigureSolver(self, lp):  # noqa: N802 - PuLP's name
+        with quiet_stdout(not self.msg):
+            super().createAndConfigureSolver(lp)
+
     def callSolver(self, lp):  # noqa: N802 - PuLP's name
         model = lp.solverModel
-        if not hasattr(model, "startSolve"):  # highspy < 1.7: no solver thread
+        if not hasattr(model, "cancelSolve"):  # highspy < 1.7: no interrupt callbacks
             return super().callSolver(lp)
+        cancel = _CANCEL.get()
+        if cancel is not None and cancel.is_set():
+            raise SolveCancelled
+        # Our own thread, not highspy's startSolve: its locks are class attributes, so two
+        # MIPs could not run at once (the exact ILP runs beside the hierarchy's MIPs).
         model.HandleUserInterrupt = True
-        model.startSolve()
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                model.run()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="remat-highs", daemon=True).start()
         try:
-            while not model.wait(0.05)[0]:
-                pass
-        except KeyboardInterrupt:
+            while not done.wait(0.05):
+                if cancel is not None and cancel.is_set():
+                    raise SolveCancelled
+        except (KeyboardInterrupt, SolveCancelled):
             model.cancelSolve()
-            model.wait()
+            done.wait()
             raise
+        if model.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
+            time_cut("MIP stopped at its time limit")
 
     def findSolutionValues(self, lp):  # noqa: N802 - PuLP's name
         try:
@@ -105,21 +132,49 @@ def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | No
     return pulp.PULP_CBC_CMD(msg=msg, timeLimit=int(limit) + 1, threads=1, gapRel=MIP_REL_GAP)
 
 
+_QUIET_LOCK = threading.Lock()
+_quiet_depth = 0
+_quiet_saved: int | None = None
+
+
 @contextlib.contextmanager
 def quiet_stdout(enabled: bool = True):
-    """Silence C-level stdout (HiGHS prints a banner when it is created, before any option)."""
+    """Silence C-level stdout (HiGHS prints a banner when it is created, before any option).
+
+    File descriptor 1 is process-wide and MIPs may be created in two threads at once (the
+    hierarchical solver runs the exact ILP beside the hierarchy), so the redirection is counted:
+    the first block in saves and redirects, the last one out restores.
+    """
+    global _quiet_depth, _quiet_saved
     if not enabled:
         yield
         return
-    sys.stdout.flush()
-    saved = os.dup(1)
+    with _QUIET_LOCK:
+        if _quiet_depth == 0:
+            sys.stdout.flush()
+            _quiet_saved = os.dup(1)
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 1)
+        _quiet_depth += 1
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-            yield
+        yield
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        with _QUIET_LOCK:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                os.dup2(_quiet_saved, 1)
+                os.close(_quiet_saved)
+                _quiet_saved = None
+
+
+# Set by a solve that runs MIPs in other threads: setting the event cancels them
+# (their ``callSolver`` raises :class:`SolveCancelled`).
+_CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "remat_mip_cancel", default=None)
+
+
+class SolveCancelled(Exception):
+    """A MIP stopped because the solve that started it was interrupted (Ctrl-C)."""
 
 
 def _binary_factory(prob: pulp.LpProblem):
@@ -319,8 +374,7 @@ class ILPSolver:
         remaining = problem.time_limit - (time.perf_counter() - started)
         mip = make_mip_solver(remaining, msg=bool(problem.options.get("msg", False)),
                               max_nodes=problem.options.get("max_nodes"))
-        with quiet_stdout(not problem.options.get("msg", False)):
-            prob.solve(mip)
+        prob.solve(mip)
         status = pulp.LpStatus[prob.status]
         solution = pulp.constants.LpSolution.get(prob.sol_status, str(prob.sol_status))
         backend = "HiGHS" if isinstance(mip, pulp.HiGHS) else "CBC"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_all_schedule, simulate
-from .base import Problem
+from .base import Problem, time_cut
 from .ilp import ILPSolver, _Model
 
 __all__ = ["BlockOption", "BlockOptions", "block_options", "block_signature", "option_from_schedule",
@@ -184,6 +184,7 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
                 if deadline is not None:
                     limit = min(limit, deadline - time.perf_counter())
                     if limit < 0.05:
+                        time_cut("block options not computed")
                         break
                 options = {"max_variables": max_variables, "max_nodes": max_nodes}
                 if kept is not None:

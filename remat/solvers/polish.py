@@ -17,6 +17,7 @@ from collections import Counter
 
 from ..errors import ScheduleError
 from ..graph import RematGraph, ValueKind
+from .base import time_cut
 from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
 
 __all__ = ["polish"]
@@ -57,7 +58,10 @@ def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
     candidates.sort(key=lambda i: (-counts[i] * ops[i].time / max(1, own_bytes(i)), i))
     best = schedule
     for trials, i in enumerate(candidates):
-        if trials >= max_trials or (deadline is not None and time.perf_counter() > deadline):
+        if trials >= max_trials:
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            time_cut("polishing")
             break
         if i not in best.backward:  # an earlier change already made it unnecessary
             continue

@@ -226,7 +226,9 @@ def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
 
 @pytest.mark.parametrize("solver", ["ilp", "hierarchical"])
 def test_ctrl_c_stops_a_solve_within_a_second(solver):
-    """Issue 14: HiGHS ran to its time limit (88 s measured) before Python saw a SIGINT."""
+    """Issue 14: HiGHS ran to its time limit (88 s measured) before Python saw a SIGINT. The
+    hierarchical solve is interrupted while the exact ILP runs in its second thread (forced
+    with ``exact_top=True``: the hierarchy alone finishes in under 3 s on this graph)."""
     import os
     import signal
     import subprocess
@@ -248,7 +250,7 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
         "print('solving', flush=True)\n"
         "try:\n"
         f"    get_solver({solver!r}).solve(Problem(graph, int(low + 0.3 * (base - low)), "
-        "time_limit=120, options={'progress': False}))\n"
+        "time_limit=120, options={'progress': False, 'exact_top': True}))\n"
         "    print('finished', flush=True)\n"
         "except KeyboardInterrupt:\n"
         "    print('interrupted', time.monotonic(), flush=True)\n")
@@ -290,3 +292,29 @@ def test_time_limit_caps_the_solve():
     took = time.perf_counter() - start
     assert result.simulation.peak_bytes <= budget
     assert took <= 2.0 + first + 0.5, f"time_limit=2 took {took:.2f} s (one hierarchy: {first:.2f} s)"
+    # ... and says so: work was cut, so this schedule may differ from run to run.
+    assert result.status == "time_limit"
+    assert "cut by the time limit: hierarchies not run" in result.detail, result.detail
+
+
+@pytest.mark.parametrize("graph", [
+    pytest.param(unet(levels=3, ops_per_level=3, act=A, grad=D, enc_time=2.0, dec_time=1.0),
+                 id="unet-block-ilp"),
+    pytest.param(chain([0.5 + (k * 7 % 5) / 2 for k in range(24)], act=A, grad=D, per_layer=4),
+                 id="chain-exact-ilp"),
+])
+def test_two_time_limits_that_both_finish_give_the_same_schedule(graph):
+    """Issue 14: every part of a solve is bounded by work (MIP nodes, polish trials), not by
+    the clock (NOTE [ Work bounds and the time cap ]): a solve that is not cut by its time
+    limit gives the schedule any other uncut solve gives, on an idle or a busy machine. Before,
+    the leaf MIPs got a share of the time left and the exact ILP a quarter of the limit."""
+    low = peak_lower_bound(graph)
+    budget = int(low + 0.4 * (baseline(graph) - low))
+    runs = [get_solver("hierarchical").solve(Problem(graph, budget, time_limit=limit,
+                                                     options={"progress": False}))
+            for limit in (40.0, 400.0)]
+    for run in runs:
+        assert run.status == "feasible", (run.status, run.detail)
+        assert "cut by" not in run.detail
+    assert runs[0].schedule == runs[1].schedule
+    assert runs[0].simulation == runs[1].simulation
