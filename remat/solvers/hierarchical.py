@@ -170,6 +170,7 @@ class HierarchicalSolver:
         2.9 s). Both are bounded by work, so which one wins does not depend on timing.
         """
         found: list[SolveResult] = []
+        caches: dict = {}
         exact = cancel = None
         if exact_top:
             cancel = threading.Event()
@@ -193,7 +194,8 @@ class HierarchicalSolver:
                     # Mid-block ILP options only where no finer level subsumes them, and the
                     # block ILP only over the coarse level (over the fine one a transformer's
                     # residuals cross every segment: 10 s more for nothing on a 1-layer GPT).
-                    mid_ilp=not exact_top and len(tops) == 1, block_ilp=top == tops[0])
+                    mid_ilp=not exact_top and len(tops) == 1, block_ilp=top == tops[0],
+                    caches=caches)
             if exact is not None:
                 bar.phase("exact ILP of the whole graph")
                 while True:  # in slices, so that Ctrl-C reaches this thread
@@ -211,14 +213,17 @@ class HierarchicalSolver:
 
     def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,
                       bar: "_SolveProgress | None" = None, *, top_ops: int | None = None,
-                      mid_ilp: bool = False, block_ilp: bool = True) -> list[SolveResult]:
+                      mid_ilp: bool = False, block_ilp: bool = True,
+                      caches: dict | None = None) -> list[SolveResult]:
         """One hierarchy's schedules, unpolished: one per upper level that found one (the chain
         DP, the block ILP), else the lowest-peak schedule it saw. ``top_ops`` bounds the top
-        level's segments (default: the ``max_block_ops`` option)."""
+        level's segments (default: the ``max_block_ops`` option); ``caches`` holds block options
+        shared with the solve's other hierarchies."""
         started = time.perf_counter()
         graph = problem.graph
         bar = bar or _SolveProgress(False, 1, problem.time_limit)
-        ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp, bar=bar)
+        ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp, bar=bar,
+                       caches=caches)
         top_ops = top_ops or ctx.max_block_ops
         bar.phase(f"{'block options' if use_ilp else 'keep/recompute blocks'}, "
                   f"{'fine top level, ' if top_ops < ctx.max_block_ops else ''}"
@@ -257,7 +262,8 @@ class _Context:
     """Shared state of one hierarchical solve: the option cache keyed by block structure."""
 
     def __init__(self, use_ilp: bool, problem: Problem, deadline: float, regions: str = "reads",
-                 *, mid_ilp: bool = False, bar: "_SolveProgress | None" = None) -> None:
+                 *, mid_ilp: bool = False, bar: "_SolveProgress | None" = None,
+                 caches: dict | None = None) -> None:
         opts = problem.options
         self.use_ilp = use_ilp
         self.mid_ilp = use_ilp and mid_ilp
@@ -266,7 +272,12 @@ class _Context:
         self.max_block_ops = int(opts.get("max_block_ops", 120))
         self.option_time_limit = opts.get("option_time_limit")
         self.deadline = deadline
-        self.cache: dict[str, BlockOptions] = {}
+        # Options by block structure. Shared by the hierarchies of one solve that compute them
+        # the same way: a transformer layer is the same block under both region rules and in
+        # both top levels, and its mid-block MIPs are most of a hierarchy's time (6-layer GPT:
+        # 3.9 of 4.9 s), so it is solved once per solve, not once per hierarchy.
+        key = (self.use_ilp, self.mid_ilp)
+        self.cache: dict[str, BlockOptions] = {} if caches is None else caches.setdefault(key, {})
         self.solved = self.reused = 0
         self.bar = bar or _SolveProgress(False, 1, problem.time_limit)
 

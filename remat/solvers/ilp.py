@@ -27,8 +27,10 @@ Beyond ``max_variables`` the ILP is refused with a message pointing to ``"hierar
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import math
 import os
@@ -49,7 +51,7 @@ from ..liveness import liveness
 from ..schedule import Schedule, forward_ops_needed, remake_views, save_all_schedule, tidy
 from .base import Problem, SolveResult, finish, time_cut
 
-__all__ = ["ILPSolver", "make_mip_solver"]
+__all__ = ["ILPSolver", "make_mip_solver", "solve_many"]
 
 log = logging.getLogger(__name__)
 
@@ -392,3 +394,55 @@ class ILPSolver:
         proven = prob.sol_status == pulp.LpSolutionOptimal
         return finish(self.name, problem, schedule, started, proven=proven, detail=detail,
                       timed_out=not proven)
+
+
+def _workers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+# NOTE [ Independent MIPs at once ]: a block's options are up to a dozen independent MIPs (one
+# per limit of its grid); HiGHS runs each in one thread without the GIL, so they run side by
+# side on the cores this process may use (at most 4: the solve happens once, before training,
+# and a DDP rank's siblings may be solving too). Each MIP is deterministic and bounded in
+# nodes, so running them at once changes when they finish, never what they find.
+_POOL = concurrent.futures.ThreadPoolExecutor(_workers(), thread_name_prefix="remat-mip")
+
+
+def solve_many(problems: list[Problem], *, deadline: float | None = None
+               ) -> list[SolveResult | None]:
+    """:class:`ILPSolver` on each of ``problems``, at once (NOTE [ Independent MIPs at once ]).
+
+    A problem's time limit is capped by ``deadline`` when it starts; one that would start past
+    it is not solved (``None``, reported with :func:`~remat.solvers.base.time_cut`). Ctrl-C
+    cancels them all and is raised here.
+    """
+    if len(problems) <= 1 or _POOL._max_workers == 1:
+        return [_solve_before(p, deadline) for p in problems]
+    cancel = threading.Event()
+    futures = []
+    for problem in problems:
+        context = contextvars.copy_context()  # the time-cut record, and the cancel event
+        context.run(_CANCEL.set, cancel)
+        futures.append(_POOL.submit(context.run, _solve_before, problem, deadline))
+    try:
+        while concurrent.futures.wait(futures, timeout=0.05).not_done:
+            pass  # in slices, so that Ctrl-C reaches this thread
+    except BaseException:
+        cancel.set()
+        concurrent.futures.wait(futures, timeout=5.0)
+        raise
+    return [f.result() for f in futures]
+
+
+def _solve_before(problem: Problem, deadline: float | None) -> SolveResult | None:
+    limit = problem.time_limit
+    if deadline is not None:
+        limit = min(limit, deadline - time.perf_counter())
+        if limit < 0.05:
+            time_cut("block options not computed")
+            return None
+    return ILPSolver().solve(dataclasses.replace(problem, time_limit=limit))

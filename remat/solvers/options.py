@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass
 
 from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_all_schedule, simulate
-from .base import Problem, time_cut
-from .ilp import ILPSolver, _Model
+from .base import Problem
+from .ilp import _Model, solve_many
 
 __all__ = ["BlockOption", "BlockOptions", "block_options", "block_signature", "option_from_schedule",
            "pareto"]
@@ -179,18 +178,15 @@ def block_options(sub: RematGraph, *, time_limit: float = 10.0, max_variables: i
             peaks.update({int(low + f * (top - low)): f"peak<=low+{100 * f:.0f}%"
                           for f in peak_range_grid if top > low})
             limits += [(name, peak, None) for peak, name in sorted(peaks.items())]
+            problems = []
             for name, peak, kept in limits:
-                limit = time_limit
-                if deadline is not None:
-                    limit = min(limit, deadline - time.perf_counter())
-                    if limit < 0.05:
-                        time_cut("block options not computed")
-                        break
                 options = {"max_variables": max_variables, "max_nodes": max_nodes}
                 if kept is not None:
                     options["save_budget"] = kept
-                result = ILPSolver().solve(Problem(sub, peak, time_limit=limit, options=options))
-                if result.schedule is not None and result.status != "infeasible":
+                problems.append(Problem(sub, peak, time_limit=time_limit, options=options))
+            for (name, _, _), result in zip(limits, solve_many(problems, deadline=deadline)):
+                if result is not None and result.schedule is not None \
+                        and result.status != "infeasible":
                     candidates.append(option_from_schedule(sub, f"ilp:{name}", result.schedule))
     # A forward that keeps nothing still keeps what random ops drew (the "none" option's saves).
     nosave = forward_ops_needed(sub, frozenset())

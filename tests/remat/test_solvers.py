@@ -318,3 +318,24 @@ def test_two_time_limits_that_both_finish_give_the_same_schedule(graph):
         assert "cut by" not in run.detail
     assert runs[0].schedule == runs[1].schedule
     assert runs[0].simulation == runs[1].simulation
+
+
+def test_a_blocks_mips_give_the_same_options_at_once_as_one_by_one(monkeypatch):
+    """NOTE [ Independent MIPs at once ]: running a block's grid of MIPs side by side changes
+    when they finish, not what they find."""
+    import concurrent.futures
+
+    from remat.solvers import ilp
+    from remat.solvers.options import block_options
+
+    graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5, 0.7, 2.5], act=A, grad=D, per_layer=2)
+    calls = []
+    real = ilp._solve_before
+    monkeypatch.setattr(ilp, "_solve_before", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(ilp, "_POOL", concurrent.futures.ThreadPoolExecutor(2))
+    at_once = block_options(graph, max_nodes=500)
+    assert len(calls) >= 5  # the grid's MIPs all went through the pool
+    monkeypatch.setattr(ilp, "_POOL", concurrent.futures.ThreadPoolExecutor(1))
+    one_by_one = block_options(graph, max_nodes=500)
+    assert at_once == one_by_one
+    assert len(at_once.options) >= 3
