@@ -41,6 +41,7 @@ from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
 from ..segments import REGION_RULES, Chain, chain_structure
 from ..subgraph import Subgraph, extract_subgraph
+from .baselines import CheckpointSolver
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .chain import ChainTable, Stage, StageOption, solve_chain
 from .dag import block_dag, solve_block_dag
@@ -83,6 +84,10 @@ _MID_BLOCK_GRID = {"save_grid": (0.15, 0.3, 0.5, 0.75), "peak_grid": (), "peak_r
 _FINE_MAX_SEGMENTS = 32
 _HEADROOM = 1.6  # the DP table covers capacities up to this multiple of the budget
 _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * options) binaries
+# ... about blocks * (options + crossing storages) of them: 1,108 for a U-Net (13 blocks, est.
+# 936), where one MIP takes 0.1-2 s; 16,256 for a Mamba-style scan (37 blocks, 380 storages
+# crossing them: est. 20,572), where each MIP hit its 10 s limit and found +235% step time.
+_DAG_MAX_VARIABLES = 6_000
 # Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
 # graph gets the same schedule on a busy machine; ~10-20 ms each on a 3,000-op graph.
 _POLISH_TRIALS = 300
@@ -196,6 +201,11 @@ class HierarchicalSolver:
                     # residuals cross every segment: 10 s more for nothing on a 1-layer GPT).
                     mid_ilp=not exact_top and len(tops) == 1, block_ilp=top == tops[0],
                     caches=caches)
+            # A floor: per-block checkpointing, when it fits, polished like the others. The
+            # hierarchy should beat it, and does on transformers and CNNs; where it does not
+            # (a Mamba-style scan at 70%: +85% step time vs +68% at a lower peak, values of
+            # one block read by every segment of the next), the user still gets the better.
+            found.append(CheckpointSolver().solve(problem))
             if exact is not None:
                 bar.phase("exact ILP of the whole graph")
                 while True:  # in slices, so that Ctrl-C reaches this thread
@@ -240,6 +250,9 @@ class HierarchicalSolver:
                if use_ilp and block_ilp and problem.options.get("block_ilp", True)
                and len(subs) <= _DAG_MAX_BLOCKS
                else None)
+        if dag is not None and len(subs) * (sum(len(o.options) for o in options)
+                                            + len(dag.storages)) > _DAG_MAX_VARIABLES:
+            dag = None  # too big to solve within its node bound: see _DAG_MAX_VARIABLES
         if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
             # Storages cross several blocks: the block ILP models each of them once.
             found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
