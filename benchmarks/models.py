@@ -6,6 +6,10 @@
 * :class:`UNet` — a U-Net (conv-BN-ReLU levels, max-pool down, transposed-conv up, long skip
   connections from each encoder level to its decoder level: a DAG, not a chain).
 * :class:`MLP` — a plain multilayer perceptron.
+* :class:`ViT` — a Vision Transformer (patch embedding, class token, pre-norm blocks without a
+  causal mask, classification head), returning logits or the loss.
+* :class:`Mamba` — a Mamba-style language model whose selective scan is a Python loop over time
+  steps (no fused kernel), so a captured step has thousands of small ops.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "ResNet", "UNet", "MLP", "gpt_batch", "image_batch"]
+__all__ = ["GPTConfig", "GPT", "ResNet", "UNet", "MLP", "ViT", "Mamba", "gpt_batch", "image_batch"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,15 @@ class GPTConfig:
     n_head: int = 4
     dropout: float = 0.0
     attention: str = "manual"  # "manual" | "sdpa"
+    # Hidden width of each block's MLP, one per layer (None: 4 * d_model in every layer).
+    mlp_widths: tuple[int, ...] | None = None
+    causal: bool = True  # False: every token attends to every token (a ViT's encoder)
+
+    def __post_init__(self) -> None:
+        if self.mlp_widths is not None and len(self.mlp_widths) != self.n_layer:
+            raise ValueError(f"GPTConfig(mlp_widths={self.mlp_widths!r}): expected one width per "
+                             f"layer ({self.n_layer}), got {len(self.mlp_widths)}; pass "
+                             f"n_layer={len(self.mlp_widths)} or that many widths")
 
 
 class CausalSelfAttention(nn.Module):
@@ -40,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.attention = cfg.attention
         self.dropout = cfg.dropout
+        self.causal = cfg.causal
         mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
 
@@ -49,10 +63,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+                q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
+            if self.causal:
+                att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
             att = self.attn_drop(F.softmax(att, dim=-1))
             y = att @ v
         y = y.transpose(1, 2).contiguous().view(b, t, c)
@@ -60,14 +75,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Pre-LN transformer block; ``mlp_width`` is the MLP's hidden width (default 4 * d_model)."""
+
+    def __init__(self, cfg: GPTConfig, mlp_width: int | None = None) -> None:
         super().__init__()
+        hidden = mlp_width or 4 * cfg.d_model
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
-            nn.Linear(4 * cfg.d_model, cfg.d_model), nn.Dropout(cfg.dropout))
+            nn.Linear(cfg.d_model, hidden), nn.GELU(),
+            nn.Linear(hidden, cfg.d_model), nn.Dropout(cfg.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -83,7 +101,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        widths = cfg.mlp_widths or (None,) * cfg.n_layer
+        self.blocks = nn.ModuleList(Block(cfg, w) for w in widths)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -206,6 +225,103 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.layers(x))
+
+
+class ViT(nn.Module):
+    """A Vision Transformer for ``(N, 3, H, W)`` images; ``forward(x, labels=None)`` returns the
+    logits or the cross-entropy loss.
+
+    Patches of ``patch x patch`` pixels are embedded by a strided convolution, a class token and
+    learned position embeddings are added, ``depth`` pre-norm :class:`Block` s (no causal mask)
+    follow, and the class token's final state is classified.
+    """
+
+    def __init__(self, image: int = 32, patch: int = 4, d_model: int = 192, depth: int = 4,
+                 n_head: int = 4, num_classes: int = 10, dropout: float = 0.0) -> None:
+        super().__init__()
+        if image % patch:
+            raise ValueError(f"ViT(image={image}, patch={patch}): the image size must be a "
+                             "multiple of the patch size; pass e.g. image=32, patch=4")
+        tokens = (image // patch) ** 2 + 1
+        cfg = GPTConfig(seq_len=tokens, d_model=d_model, n_layer=depth, n_head=n_head,
+                        dropout=dropout, causal=False)
+        self.patch = nn.Conv2d(3, d_model, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, tokens, d_model))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(depth))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)  # (N, patches, d_model)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x[:, 0]))
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+
+class MambaBlock(nn.Module):
+    """A Mamba block (Gu & Dao, 2023): input projection, causal depthwise convolution, SiLU,
+    input-dependent ``(dt, B, C)``, a sequential selective scan, SiLU gate, output projection.
+
+    The scan is the reference recurrence ``h_t = exp(dt_t A) h_t-1 + dt_t B_t x_t``,
+    ``y_t = C_t h_t + D x_t``, written as a Python loop over the time steps (no fused kernel).
+    """
+
+    def __init__(self, d_model: int, d_state: int = 16, expand: int = 2, d_conv: int = 4) -> None:
+        super().__init__()
+        d_inner = expand * d_model
+        self.dt_rank = math.ceil(d_model / 16)
+        self.d_state = d_state
+        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
+        self.conv = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, d_inner)
+        a = torch.arange(1, d_state + 1, dtype=torch.float32).repeat(d_inner, 1)
+        self.A_log = nn.Parameter(torch.log(a))  # (d_inner, d_state)
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        u, z = self.in_proj(x).chunk(2, dim=-1)  # (N, T, d_inner) each
+        u = F.silu(self.conv(u.transpose(1, 2))[..., :t].transpose(1, 2))
+        dt, b, c = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt))  # (N, T, d_inner)
+        a = -torch.exp(self.A_log)
+        dtu = dt * u
+        h = x.new_zeros(x.shape[0], a.shape[0], self.d_state)  # (N, d_inner, d_state)
+        ys = []
+        for i in range(t):  # each step's (N, d_inner, d_state) factors exist only inside it
+            da = torch.exp(dt[:, i].unsqueeze(-1) * a)
+            h = da * h + dtu[:, i].unsqueeze(-1) * b[:, i].unsqueeze(1)
+            ys.append((h * c[:, i].unsqueeze(1)).sum(-1))  # (N, d_inner)
+        y = torch.stack(ys, dim=1) + u * self.D
+        return self.out_proj(y * F.silu(z))
+
+
+class Mamba(nn.Module):
+    """A Mamba-style language model: embedding, pre-norm residual :class:`MambaBlock` s, a final
+    norm and a head; ``forward(idx, targets=None)`` returns the logits or the loss."""
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 64, n_layer: int = 2,
+                 d_state: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d_model)
+        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(MambaBlock(d_model, d_state) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.emb(idx)
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 def gpt_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

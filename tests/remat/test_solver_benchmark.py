@@ -1,0 +1,140 @@
+"""The solver benchmark prints the tables its issue asks for, with numbers that mean what the
+legend says: ``python -m benchmarks.remat_solvers scale|quality --quick`` through ``main``."""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import pytest
+import torch
+
+from benchmarks import remat_solvers
+
+BUDGET = 0.5
+SCALE_MODELS = ["mlp", "gpt6", "mamba"]
+# Predicted peaks are at most the budget; 2% covers rounding the budget to bytes and the
+# three decimals the table prints.
+PEAK_TOLERANCE = 1.02
+# The README's promise: the measured peak is within 5% of the simulator's prediction.
+MEASURED_PEAK_TOLERANCE = 0.05
+SCALE_COLUMNS = ["model", "ops", "capture s", "solver", "solve s", "status", "pred peak",
+                 "pred ovh", "meas peak", "meas ovh", "notes"]
+QUALITY_COLUMNS = ["graph", "ops", "budget", "solver", "status", "solve s", "peak", "overhead",
+                   "vs ilp"]
+SOLVED = ("optimal", "feasible", "time_limit")
+
+
+def run(argv: list[str]) -> str:
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            remat_solvers.main([*argv, "--threads", "1"])  # 2 shared cores: no OpenMP spinning
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+def table(text: str) -> tuple[list[str], list[list[str]], str]:
+    """Header columns, rows (whitespace-split cells) and the legend under the table."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(("model ", "graph ")))
+    end = lines.index("", start)
+    header = re.split(r"\s{2,}", lines[start].strip())
+    return header, [line.split() for line in lines[start + 1:end]], "\n".join(lines[end:])
+
+
+def number(cell: str) -> float:
+    return float(cell.rstrip("%"))
+
+
+@pytest.fixture(scope="module")
+def scale_text() -> str:
+    return run(["scale", "--quick", "--budget", str(BUDGET), "--measure-steps", "3",
+                "--models", *SCALE_MODELS])
+
+
+@pytest.fixture(scope="module")
+def quality_text() -> str:
+    return run(["quality", "--quick", "--models", "mlp"])
+
+
+def test_scale_has_one_solved_row_per_model(scale_text):
+    header, rows, _ = table(scale_text)
+    assert header == SCALE_COLUMNS
+    assert [r[0] for r in rows] == SCALE_MODELS
+    for r in rows:
+        assert r[3] == "hierarchical" and r[5] in SOLVED, r
+        assert int(r[1]) > 0, r
+        capture_s, solve_s = number(r[2]), number(r[4])
+        assert math.isfinite(capture_s) and capture_s > 0, r
+        assert math.isfinite(solve_s) and solve_s >= 0, r
+
+
+def test_scale_predictions_and_measurements(scale_text):
+    _, rows, _ = table(scale_text)
+    for r in rows:
+        predicted, overhead = number(r[6]), number(r[7])
+        measured_peak, measured_overhead = number(r[8]), number(r[9])
+        assert 0 < predicted <= BUDGET * PEAK_TOLERANCE, r
+        assert math.isfinite(overhead) and overhead >= 0, r
+        assert abs(measured_peak / predicted - 1) <= MEASURED_PEAK_TOLERANCE, r
+        # The step-time ratio to eager (1 + overhead) is a positive finite number.
+        assert math.isfinite(measured_overhead) and 1 + measured_overhead / 100 > 0, r
+
+
+def test_scale_legend_defines_every_column(scale_text):
+    _, _, legend = table(scale_text)
+    for term in SCALE_COLUMNS[1:-1]:
+        assert f"{term}:" in legend, term
+    assert f"budget={BUDGET:g}" in legend
+
+
+def test_quality_against_the_ilp(quality_text):
+    header, rows, legend = table(quality_text)
+    assert header == QUALITY_COLUMNS
+    solvers = ["ilp", "hierarchical", "hier-only", "dp", "checkpoint"]
+    budgets = ["70%", "50%", "30%"]
+    assert [(r[0], r[2], r[3]) for r in rows] == [("mlp", b, s) for b in budgets for s in solvers]
+    for b in budgets:
+        block = [r for r in rows if r[2] == b]
+        ilp_solved = block[0][4] in SOLVED
+        if ilp_solved:
+            assert number(block[0][8]) == 0.0, block[0]  # the ILP against itself
+        for r in block:
+            assert number(r[5]) >= 0, r
+            if r[4] in SOLVED:
+                assert 0 < number(r[6]) <= number(b) / 100 * PEAK_TOLERANCE, r
+                assert number(r[7]) >= 0, r
+            else:
+                assert r[4] == "infeasible" and r[6:9] == ["-", "-", "-"], r
+            if r[4] in SOLVED:
+                assert (r[8] == "-") == (not ilp_solved), r
+    assert any(r[4] in SOLVED for r in rows if r[3] == "hierarchical")
+    for term in QUALITY_COLUMNS[1:]:
+        assert f"{term}:" in legend, term
+
+
+class DataDependent(torch.nn.Module):
+    """Control flow on a tensor's value: dynamo cannot capture it as one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y.sum() if y.sum() > 0 else (-y).sum()
+
+
+def test_a_model_that_cannot_be_captured_prints_its_reason(monkeypatch):
+    monkeypatch.setitem(remat_solvers.MODELS, "broken", lambda quick: (DataDependent(),
+                                                                       (torch.randn(8, 4),)))
+    _, rows, _ = table(run(["scale", "--quick", "--models", "broken", "mlp",
+                            "--measure-steps", "0"]))
+    assert [r[0] for r in rows] == ["broken", "mlp"]
+    assert rows[0][1:3] == ["-", "-"] and rows[0][4:10] == ["-", "no-capture", "-", "-", "-", "-"]
+    assert "cannot capture" in " ".join(rows[0][10:])
+    assert rows[1][5] in SOLVED and rows[1][8:10] == ["-", "-"]  # --measure-steps 0
