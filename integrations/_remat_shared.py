@@ -381,10 +381,14 @@ def solve_targets(
                 break
             else:
                 plan = results[t.name].plan
+                cut = ("; time_limit cut the solve short, so this plan may differ from run "
+                       f"to run: raise time_limit (was {settings.time_limit:g} s) for one that "
+                       "does not depend on machine load"
+                       if plan.status == "time_limit" and not plan.cache_hit else "")
                 info(f"{owner}: {_label(t.name)} ready in "
                      f"{results[t.name].capture_time_s:.1f} s ("
                      + ("plan from the cache" if plan.cache_hit else
-                        f"solved in {plan.solve_time_s:.1f} s, {plan.status}") + ")")
+                        f"solved in {plan.solve_time_s:.1f} s, {plan.status}") + f"){cut}")
     if comm.world_size > 1:
         payload = comm.broadcast({
             "cache": cache.state_dict(), "errors": errors,

@@ -231,6 +231,18 @@ def test_resume_reuses_the_plan_and_checkpoint_loads_into_the_plain_model(tmp_pa
     assert len(losses) == 4 and torch.isfinite(losses).all()
 
 
+def test_a_solve_cut_by_its_time_limit_says_so(tmp_path, caplog):
+    """Issue 14: a solve that time_limit stopped early gives a plan that may change with machine
+    load; the user is told, with the fix."""
+    callback = HiRemateCallback(budget="50%", time_limit=1e-3)
+    with caplog.at_level(logging.INFO):
+        fit(_seeded(), callback, max_steps=2, default_root_dir=tmp_path)
+    plan = callback.plans["net"]
+    assert plan.status == "time_limit" and "cut by the time limit" in plan.detail
+    assert "time_limit cut the solve short" in caplog.text
+    assert "raise time_limit (was 0.001 s)" in caplog.text
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
