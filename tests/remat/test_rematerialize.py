@@ -344,3 +344,23 @@ def test_a_solver_that_finds_nothing_falls_back_to_the_faster_rescue_schedule():
     step(rm, args, seed=3)
     for a, b in zip(grads(ref), grads(model)):
         assert torch.equal(a, b)
+
+
+def test_a_crawling_rescue_is_named_with_the_faster_budget():
+    """Issue 14: on a Mamba-style scan at 50% only the least-memory schedule fit (105x the step
+    time) and ran silently; per-block checkpointing needed 5% more memory at 1.7x."""
+    from remat.budget import format_bytes
+    from remat.planner import _block_checkpointing, least_memory_schedule
+
+    model, args = make("gpt_manual")
+    graph = remat.rematerialize(model, *args, budget="1TiB", solver="none").graphs[0]
+    lowest = least_memory_schedule(graph)[1]
+    (_, blocks, _), = _block_checkpointing(graph, "none")
+    assert lowest.peak_bytes < blocks.peak_bytes and lowest.time > 2 * graph.baseline_time
+    budget = (lowest.peak_bytes + blocks.peak_bytes) // 2  # only the least-memory one fits
+    with pytest.warns(UserWarning, match=r"only the least-memory schedule fits") as caught:
+        rm = remat.rematerialize(model, *args, budget=budget, solver="none")
+    assert rm.plan.detail.endswith("least-memory fallback: the solver found none")
+    text = str(caught[0].message)  # (op times are measured again by the second call)
+    assert f"{1 + rm.plan.predicted_overhead:.1f}x the unmodified step's time" in text
+    assert f"block checkpointing needs {format_bytes(blocks.peak_bytes)} at 1." in text
