@@ -89,8 +89,12 @@ _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * 
 # crossing them: est. 20,572), where each MIP hit its 10 s limit and found +235% step time.
 _DAG_MAX_VARIABLES = 6_000
 # Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
-# graph gets the same schedule on a busy machine; ~10-20 ms each on a 3,000-op graph.
+# graph gets the same schedule on a busy machine. Each trial simulates the whole graph, so the
+# count shrinks as graphs grow (a bound on simulated ops, not trials): 300 up to ~3,300 ops,
+# 147 at GPT-48's 6,803, 73 at GPT-96's 13,571, where 300 trials were half the solve (30 of
+# 60 s on GPT-48) for +0.01-0.4% step time each on GPT-24.
 _POLISH_TRIALS = 300
+_POLISH_OPS = 1_000_000
 _POLISH_RUNNER_UP = 1.01  # a second-best schedule this close to the best is polished too
 # The thread the whole-graph ILP runs in (NOTE [ The exact ILP beside the hierarchy ]).
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remat-exact-ilp")
@@ -157,7 +161,7 @@ class HierarchicalSolver:
                 r for r in feasible[1:2] if r.schedule != feasible[0].schedule
                 and r.simulation.time <= _POLISH_RUNNER_UP * feasible[0].simulation.time]
             polished = [(r, polish(graph, r.schedule, problem.budget_bytes, deadline=deadline,
-                                   max_trials=_POLISH_TRIALS, simulation=r.simulation))
+                                   max_trials=_polish_trials(graph), simulation=r.simulation))
                         for r in finalists]
         best, (schedule, _) = min(polished, key=lambda item: item[1][1].time)
         cut = describe_cuts(cuts)
@@ -360,6 +364,10 @@ class _Context:
 
 
 
+def _polish_trials(graph: RematGraph) -> int:
+    return max(50, min(_POLISH_TRIALS, _POLISH_OPS // max(1, len(graph.ops))))
+
+
 def _top_levels(graph: RematGraph, options: dict) -> list[int]:
     """Bounds on the top level's segment size to solve with: the coarse one (``max_block_ops``)
     and, for small graphs, a fine one (NOTE [ Fine and coarse top levels ])."""
@@ -428,7 +436,9 @@ def _search(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions]
         for slot in (lo - 2, lo - 1, lo, lo + 1):  # the boundary is not always monotone
             if 0 <= slot <= table.slots:
                 at(slot)
-        for slot in _grid(table, points=24):  # and the DP's model is only approximate
+        # ... and the DP's model is only approximate: more capacities, as many as the graph's
+        # size allows (each is one simulation of the whole graph; 24 up to ~4,000 ops).
+        for slot in _grid(table, points=max(8, min(24, 100_000 // max(1, len(graph.ops))))):
             at(slot)
     done = [item for item in cache.values() if item]
     feasible = [item for item in done if item[1].peak_bytes <= budget]
