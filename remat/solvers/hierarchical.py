@@ -90,11 +90,11 @@ _DAG_MAX_BLOCKS = 40  # the block ILP (NOTE [ The block ILP ]) has O(blocks^2 * 
 _DAG_MAX_VARIABLES = 6_000
 # Trials of the greedy polish (NOTE [ Polishing a schedule ]): a count, not a time, so the same
 # graph gets the same schedule on a busy machine. Each trial simulates the whole graph, so the
-# count shrinks as graphs grow (a bound on simulated ops, not trials): 300 up to ~3,300 ops,
-# 147 at GPT-48's 6,803, 73 at GPT-96's 13,571, where 300 trials were half the solve (30 of
-# 60 s on GPT-48) for +0.01-0.4% step time each on GPT-24.
+# count shrinks as graphs grow (a bound on simulated ops, not trials): 300 up to ~1,700 ops,
+# 146 at GPT-24's 3,419, 73 at GPT-48's 6,803, 50 beyond. 300 trials were half the solve on
+# GPT-48 (30 of 60 s); GPT-24 finds the same schedules with 146 as with 292 (50%, 33%).
 _POLISH_TRIALS = 300
-_POLISH_OPS = 1_000_000
+_POLISH_OPS = 500_000
 _POLISH_RUNNER_UP = 1.01  # a second-best schedule this close to the best is polished too
 # The thread the whole-graph ILP runs in (NOTE [ The exact ILP beside the hierarchy ]).
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remat-exact-ilp")
