@@ -45,7 +45,7 @@ from .baselines import CheckpointSolver
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .chain import ChainTable, Stage, StageOption, solve_chain
 from .dag import block_dag, solve_block_dag
-from .ilp import _CANCEL, ILPSolver, _Model
+from .ilp import _CANCEL, ILPSolver, _Model, thread_pool
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
 from .polish import polish
 
@@ -96,8 +96,6 @@ _DAG_MAX_VARIABLES = 6_000
 _POLISH_TRIALS = 300
 _POLISH_OPS = 500_000
 _POLISH_RUNNER_UP = 1.01  # a second-best schedule this close to the best is polished too
-# The thread the whole-graph ILP runs in (NOTE [ The exact ILP beside the hierarchy ]).
-_BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remat-exact-ilp")
 
 
 class HierarchicalSolver:
@@ -186,7 +184,8 @@ class HierarchicalSolver:
             context = contextvars.copy_context()  # the time-cut record, and the cancel event
             context.run(_CANCEL.set, cancel)
             limit = min(0.8, _TOP_ILP_SHARE) * problem.time_limit
-            exact = _BACKGROUND.submit(context.run, ILPSolver().solve, Problem(
+            background = thread_pool("remat-exact-ilp", 1)  # this process's own thread
+            exact = background.submit(context.run, ILPSolver().solve, Problem(
                 problem.graph, problem.budget_bytes, time_limit=limit,
                 options={"max_nodes": _TOP_ILP_NODES}))
         try:

@@ -409,7 +409,28 @@ def _workers() -> int:
 # side on the cores this process may use (at most 4: the solve happens once, before training,
 # and a DDP rank's siblings may be solving too). Each MIP is deterministic and bounded in
 # nodes, so running them at once changes when they finish, never what they find.
-_POOL = concurrent.futures.ThreadPoolExecutor(_workers(), thread_name_prefix="remat-mip")
+_POOLS: dict[tuple[str, int], tuple[int, concurrent.futures.ThreadPoolExecutor]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def thread_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's pool of ``workers`` threads called ``name``, made on first use.
+
+    A forked child (a DDP rank started by fork, a DataLoader worker) makes its own: its copy of
+    the parent's pool has no threads, yet counts the parent's idle ones, so what it was given
+    would wait forever.
+    """
+    key, pid = (name, workers), os.getpid()
+    with _POOLS_LOCK:
+        owner, pool = _POOLS.get(key, (None, None))
+        if owner != pid:
+            pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+            _POOLS[key] = (pid, pool)
+        return pool
+
+
+if hasattr(os, "register_at_fork"):  # the lock may have been held by a thread that is gone
+    os.register_at_fork(after_in_child=lambda: globals().update(_POOLS_LOCK=threading.Lock()))
 
 
 def solve_many(problems: list[Problem], *, deadline: float | None = None
@@ -420,14 +441,16 @@ def solve_many(problems: list[Problem], *, deadline: float | None = None
     it is not solved (``None``, reported with :func:`~remat.solvers.base.time_cut`). Ctrl-C
     cancels them all and is raised here.
     """
-    if len(problems) <= 1 or _POOL._max_workers == 1:
+    workers = _workers()
+    if len(problems) <= 1 or workers == 1:
         return [_solve_before(p, deadline) for p in problems]
+    pool = thread_pool("remat-mip", workers)
     cancel = threading.Event()
     futures = []
     for problem in problems:
         context = contextvars.copy_context()  # the time-cut record, and the cancel event
         context.run(_CANCEL.set, cancel)
-        futures.append(_POOL.submit(context.run, _solve_before, problem, deadline))
+        futures.append(pool.submit(context.run, _solve_before, problem, deadline))
     try:
         while concurrent.futures.wait(futures, timeout=0.05).not_done:
             pass  # in slices, so that Ctrl-C reaches this thread

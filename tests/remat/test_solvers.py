@@ -327,7 +327,7 @@ def test_two_time_limits_that_both_finish_give_the_same_schedule(graph):
 def test_a_blocks_mips_give_the_same_options_at_once_as_one_by_one(monkeypatch):
     """NOTE [ Independent MIPs at once ]: running a block's grid of MIPs side by side changes
     when they finish, not what they find."""
-    import concurrent.futures
+    import threading
 
     from remat.solvers import ilp
     from remat.solvers.options import block_options
@@ -336,10 +336,11 @@ def test_a_blocks_mips_give_the_same_options_at_once_as_one_by_one(monkeypatch):
     calls = []
     real = ilp._solve_before
     monkeypatch.setattr(ilp, "_solve_before", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(ilp, "_POOL", concurrent.futures.ThreadPoolExecutor(2))
+    monkeypatch.setattr(ilp, "_workers", lambda: 2)
     at_once = block_options(graph, max_nodes=500)
     assert len(calls) >= 5  # the grid's MIPs all went through the pool
-    monkeypatch.setattr(ilp, "_POOL", concurrent.futures.ThreadPoolExecutor(1))
+    assert any(t.name.startswith("remat-mip") for t in threading.enumerate())
+    monkeypatch.setattr(ilp, "_workers", lambda: 1)
     one_by_one = block_options(graph, max_nodes=500)
     assert at_once == one_by_one
     assert len(at_once.options) >= 3
@@ -373,3 +374,29 @@ def test_never_slower_than_per_block_checkpointing_where_that_fits(make, monkeyp
     assert poor(None, problem)[0].simulation.time > checkpoint.simulation.time
     assert floor.simulation.peak_bytes <= budget
     assert floor.simulation.time <= checkpoint.simulation.time
+
+
+
+def _solve_in_child(problems):
+    from remat.solvers import ilp
+
+    return [r.schedule for r in ilp.solve_many(problems)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_mips_side_by_side_in_a_forked_child(monkeypatch):
+    """A DDP rank or DataLoader worker forked after a solve gets its own MIP threads: the copy
+    of the parent's pool has none, yet counts the parent's idle ones (a child's solve would wait
+    forever)."""
+    import multiprocessing
+
+    from remat.solvers import ilp
+
+    monkeypatch.setattr(ilp, "_workers", lambda: 2)
+    graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
+    problems = [Problem(graph, int(f * baseline(graph)), time_limit=30,
+                        options={"max_nodes": 500}) for f in (0.6, 0.8)]
+    here = [r.schedule for r in ilp.solve_many(problems)]  # the parent's pool now has threads
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        there = pool.apply_async(_solve_in_child, (problems,)).get(timeout=60)
+    assert there == here
