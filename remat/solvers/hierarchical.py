@@ -29,7 +29,6 @@ solve's schedule does not depend on the machine's load (NOTE [ Work bounds and t
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import dataclasses
 import logging
 import threading
@@ -45,7 +44,7 @@ from .baselines import CheckpointSolver
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .chain import ChainTable, Stage, StageOption, solve_chain
 from .dag import block_dag, solve_block_dag
-from .ilp import _CANCEL, ILPSolver, _Model, thread_pool
+from .ilp import ILPSolver, _Model, submit_cancellable, thread_pool, wait_cancellable
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
 from .polish import polish
 
@@ -178,16 +177,14 @@ class HierarchicalSolver:
         """
         found: list[SolveResult] = []
         caches: dict = {}
-        exact = cancel = None
+        exact = None
+        cancel = threading.Event()
         if exact_top:
-            cancel = threading.Event()
-            context = contextvars.copy_context()  # the time-cut record, and the cancel event
-            context.run(_CANCEL.set, cancel)
             limit = min(0.8, _TOP_ILP_SHARE) * problem.time_limit
-            background = thread_pool("remat-exact-ilp", 1)  # this process's own thread
-            exact = background.submit(context.run, ILPSolver().solve, Problem(
-                problem.graph, problem.budget_bytes, time_limit=limit,
-                options={"max_nodes": _TOP_ILP_NODES}))
+            exact = submit_cancellable(
+                thread_pool("remat-exact-ilp", 1), cancel, ILPSolver().solve,  # own thread
+                Problem(problem.graph, problem.budget_bytes, time_limit=limit,
+                        options={"max_nodes": _TOP_ILP_NODES}))
         try:
             # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
             # neither wins everywhere, and the simulator tells which schedule is faster.
@@ -209,19 +206,15 @@ class HierarchicalSolver:
             # (a Mamba-style scan at 70%: +85% step time vs +68% at a lower peak, values of
             # one block read by every segment of the next), the user still gets the better.
             found.append(CheckpointSolver().solve(problem))
-            if exact is not None:
-                bar.phase("exact ILP of the whole graph")
-                while True:  # in slices, so that Ctrl-C reaches this thread
-                    try:
-                        found.append(exact.result(timeout=0.05))
-                        break
-                    except concurrent.futures.TimeoutError:
-                        continue
         except BaseException:
             if exact is not None:
                 cancel.set()
                 concurrent.futures.wait([exact], timeout=5.0)
             raise
+        if exact is not None:
+            bar.phase("exact ILP of the whole graph")
+            wait_cancellable([exact], cancel)
+            found.append(exact.result())
         return found
 
     def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,

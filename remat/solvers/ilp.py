@@ -446,19 +446,30 @@ def solve_many(problems: list[Problem], *, deadline: float | None = None
         return [_solve_before(p, deadline) for p in problems]
     pool = thread_pool("remat-mip", workers)
     cancel = threading.Event()
-    futures = []
-    for problem in problems:
-        context = contextvars.copy_context()  # the time-cut record, and the cancel event
-        context.run(_CANCEL.set, cancel)
-        futures.append(pool.submit(context.run, _solve_before, problem, deadline))
+    futures = [submit_cancellable(pool, cancel, _solve_before, p, deadline) for p in problems]
+    wait_cancellable(futures, cancel)
+    return [f.result() for f in futures]
+
+
+def submit_cancellable(pool: concurrent.futures.Executor, cancel: threading.Event, fn, *args
+                       ) -> concurrent.futures.Future:
+    """``pool.submit(fn, *args)`` in a copy of this context (its time-cut record) in which
+    setting ``cancel`` stops the MIPs ``fn`` runs."""
+    context = contextvars.copy_context()
+    context.run(_CANCEL.set, cancel)
+    return pool.submit(context.run, fn, *args)
+
+
+def wait_cancellable(futures: list[concurrent.futures.Future], cancel: threading.Event) -> None:
+    """Wait for ``futures`` in slices, so that Ctrl-C reaches this thread; on any exception
+    (Ctrl-C included) cancel their MIPs, let them stop, and raise it."""
     try:
         while concurrent.futures.wait(futures, timeout=0.05).not_done:
-            pass  # in slices, so that Ctrl-C reaches this thread
+            pass
     except BaseException:
         cancel.set()
         concurrent.futures.wait(futures, timeout=5.0)
         raise
-    return [f.result() for f in futures]
 
 
 def _solve_before(problem: Problem, deadline: float | None) -> SolveResult | None:
