@@ -227,6 +227,21 @@ def _own_step(label: str):
 _RECOMPILE_LIMIT = 64
 
 
+# NOTE [ The unmodified step runs eagerly ]
+# A batch whose unmodified step fits the budget (a short sequence, a small last batch: a fraction
+# follows the run's largest batch) runs the module's own eager step, not a compiled copy of it.
+# The copy cost a whole capture (dynamo + AOTAutograd, seconds for a 2-layer GPT-2, minutes for
+# a large model), and a batch of 1, which dynamo specialises, cost another capture and a solve:
+# the 40-step dynamic-padding test set up in 3.1-3.4x the single-shape time, over the 3x bound.
+# Eager gives the same numbers (nothing is recomputed) and is the memory the user measures today.
+# Its peak cannot be simulated exactly, so it is priced from the compiled unmodified step's: the
+# simulated peak at the batch's sizes times the eager/compiled ratio measured at the example
+# (when eager is the fatter), plus ``_EAGER_HEADROOM`` for how that ratio moves with the sizes
+# (``ShapePlans.run_price``); a batch runs eagerly only where that fits the budget. Without an
+# eager measurement (``remat.backend``, or a profiler already running) the unmodified step stays
+# compiled, with its exact simulated peak.
+
+
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves and a key of what makes a call different for remat (shapes, dtypes,
     devices of its tensors, and the structure of its arguments)."""
@@ -362,6 +377,9 @@ class RematModule(nn.Module):
         backend = self._remat_backend
         try:
             entry = decisions[key] if key in decisions else self._decide(leaves)
+            if entry is not None and backend.shapes.entries[entry].eager:
+                decisions.setdefault(key, entry)  # NOTE [ The unmodified step runs eagerly ]
+                return self._remat_original(*args, **kwargs)
             step = self._slot(entry)
             backend.current_leaves = leaves
             try:
