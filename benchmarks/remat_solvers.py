@@ -131,7 +131,8 @@ SCALE_MODELS = ["mlp", "vit4", "unet", "t5-small", "gpt6", "gpt12", "gpt24", "gp
 QUALITY_MODELS = ["mlp", "unet", "gpt1", "gpt2", "vit4"]
 
 # Variants of a solver with options, by the name the tables print.
-VARIANTS = {"hier-only": ("hierarchical", {"exact_top": False})}
+VARIANTS = {"hier-only": ("hierarchical", {"exact_top": False}),
+            "hier+ilp": ("hierarchical", {"exact_top": True})}
 
 # How a failed rematerialize shows in the status column.
 _ERROR_STATUS = {remat.CaptureError: "no-capture", remat.InfeasibleBudgetError: "infeasible",
@@ -378,8 +379,9 @@ def quality(args: argparse.Namespace) -> None:
                        "and counts what it recomputes as live for the whole stage: a schedule "
                        "outside that model can beat it (a negative gap) or fit where it finds "
                        "none; stopped by its time limit, it is compared by its best schedule. "
-                       "hierarchical: the default; hier-only: hierarchical without its exact "
-                       "top-level ILP; dp: the chain DP with keep-all/keep-nothing blocks; "
+                       "hierarchical: the default (the whole-graph ILP beside it is used only "
+                       "where no hierarchy fits); hier-only: without that ILP; hier+ilp: with "
+                       "it always, keeping the faster; dp: the chain DP with keep-all/keep-nothing blocks; "
                        "checkpoint: recompute each block, like torch.utils.checkpoint"),
         ])]
     print(f"remat_solvers quality: {'--quick sizes, ' if args.quick else ''}"

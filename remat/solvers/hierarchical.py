@@ -22,8 +22,8 @@ NOTE [ Hierarchical solving ]
 
 The solve runs a fixed list of hierarchies (two region rules; for small graphs a second, fine
 top level, NOTE [ Fine and coarse top levels ]; keep/recompute-only options), and for graphs
-whose whole ILP is small, that ILP in a second thread (NOTE [ The exact ILP beside the
-hierarchy ]). The fastest schedule that fits wins. Every part is bounded by work, so an uncut
+whose whole ILP is small, that ILP in a second thread, used where no hierarchy fits
+(NOTE [ The exact ILP beside the hierarchy ]). The fastest schedule that fits wins. Every part is bounded by work, so an uncut
 solve's schedule does not depend on the machine's load (NOTE [ Work bounds and the time cap ]).
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ __all__ = ["HierarchicalSolver", "DPSolver"]
 log = logging.getLogger(__name__)
 
 _SLOTS = 600
-# Graphs whose whole ILP is this small are also solved exactly. Above it the exact solve costs
+# Graphs whose whole ILP is this small are also solved exactly, where no hierarchy fits (NOTE
+# [ The exact ILP beside the hierarchy ]). Above it the exact solve costs
 # more than it finds: a 2-layer GPT (3,919 binaries) took 16-19 s for +8.0%/+18.6% step time at
 # 70%/50% where the fine hierarchy (below) finds +7.2%/+17.4% in 4 s; a 1-layer GPT (1,364
 # binaries) takes 2.7 s and beats the hierarchies (+9.0% vs +13.3% at 70%).
@@ -107,9 +108,10 @@ class HierarchicalSolver:
         progress: show one progress bar per solve over its phases (default ``True``).
         block_ilp: where storages cross several top-level blocks (a U-Net's skips), also solve
             the upper level with the block ILP (NOTE [ The block ILP ]; default ``True``).
-        exact_top: also solve the whole graph with the exact ILP, beside the hierarchy, and keep
-            the faster schedule: ``"auto"`` (default) where its model has at most 2,500
-            binaries, ``True`` always, ``False`` never (what the hierarchy alone finds).
+        exact_top: also solve the whole graph with the exact ILP, beside the hierarchy
+            (NOTE [ The exact ILP beside the hierarchy ]): ``"auto"`` (default) where its model
+            has at most 2,500 binaries, used only if no hierarchy finds a schedule that fits;
+            ``True`` always, keeping the faster schedule; ``False`` never.
     """
 
     name: ClassVar[str] = "hierarchical"
@@ -119,14 +121,14 @@ class HierarchicalSolver:
         started = time.perf_counter()
         deadline = started + problem.time_limit
         graph = problem.graph
-        # Small enough for the exact ILP at the top: HiRemate solves small levels exactly. The
-        # hierarchy then skips the ILP options of mid-sized blocks, which that solve subsumes.
+        # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
         exact_top = problem.options.get("exact_top", "auto")
         if exact_top not in ("auto", True, False):
             raise ValueError(f"exact_top={exact_top!r}: expected 'auto', True or False")
-        if exact_top == "auto":
-            exact_top = _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES
-        exact_top = self.use_ilp and exact_top
+        if exact_top == "auto" and not (
+                _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES):
+            exact_top = False
+        exact_top = exact_top if self.use_ilp else False
         tops = (_top_levels(graph, problem.options) if self.use_ilp
                 else [int(problem.options.get("max_block_ops", 120))])
         runs = [(top, rule, self.use_ilp) for top in tops for rule in REGION_RULES]
@@ -135,7 +137,7 @@ class HierarchicalSolver:
             # DP model is sometimes the more accurate one at very low budgets.
             runs += [(tops[0], rule, False) for rule in REGION_RULES]
         bar = _SolveProgress(bool(problem.options.get("progress", True)),
-                             len(runs) + int(exact_top), problem.time_limit)
+                             len(runs) + int(exact_top is True), problem.time_limit)
         with watch_time_cuts() as cuts:
             try:
                 found = self._candidates(problem, runs, tops, exact_top, deadline, bar)
@@ -167,13 +169,24 @@ class HierarchicalSolver:
                       timed_out=bool(cuts) or time.perf_counter() > deadline)
 
     def _candidates(self, problem: Problem, runs: list[tuple[int, str, bool]], tops: list[int],
-                    exact_top: bool, deadline: float, bar: "_SolveProgress") -> list[SolveResult]:
-        """Every hierarchy's schedules, and the exact ILP's where it runs, unpolished.
+                    exact_top: bool | str, deadline: float, bar: "_SolveProgress"
+                    ) -> list[SolveResult]:
+        """Every hierarchy's schedules, and the exact ILP's where it is used, unpolished.
 
         NOTE [ The exact ILP beside the hierarchy ]: the whole-graph ILP of a small graph runs
-        in a second thread from the start (HiGHS works without the GIL), so a solve costs the
-        longer of the two, not their sum, where a second core is free (1-layer GPT: 4.6 s ->
-        2.9 s). Both are bounded by work, so which one wins does not depend on timing.
+        in a second thread from the start (HiGHS works without the GIL), so where it is needed
+        it costs the longer of the two, not their sum, where a second core is free. By default
+        (``exact_top="auto"``) it is needed only where no hierarchy (nor per-block
+        checkpointing) fits the budget, near the lower bound: otherwise it is cancelled
+        unused. Used always (``exact_top=True``, ``hier+ilp`` in ``python -m
+        benchmarks.remat_solvers quality``), it cost 7-15 s on graphs the hierarchy solves in
+        0.4-3.5 s and found at most 1.1 points less overhead (U-Net at 70%: +5.0% vs +6.1%;
+        2-layer GPT: +6.2% vs +6.7%; 12-layer MLP: +4.3% vs +4.6%; nothing on a ViT, a 1-layer
+        GPT or any 50%/30% budget); before, with the ILP beside it, the hierarchy also skipped
+        its mid-block ILP options and so could end slower than the hierarchy alone (MLP at 30%:
+        +32.5% vs +29.5%).
+        Both are bounded by work, and whether the ILP is used depends only on the hierarchy's
+        schedules, so which one wins does not depend on timing.
         """
         found: list[SolveResult] = []
         caches: dict = {}
@@ -199,7 +212,7 @@ class HierarchicalSolver:
                     # Mid-block ILP options only where no finer level subsumes them, and the
                     # block ILP only over the coarse level (over the fine one a transformer's
                     # residuals cross every segment: 10 s more for nothing on a 1-layer GPT).
-                    mid_ilp=not exact_top and len(tops) == 1, block_ilp=top == tops[0],
+                    mid_ilp=len(tops) == 1, block_ilp=top == tops[0],
                     caches=caches)
             # A floor: per-block checkpointing, when it fits, polished like the others. The
             # hierarchy should beat it, and does on transformers and CNNs; where it does not
@@ -211,7 +224,13 @@ class HierarchicalSolver:
                 cancel.set()
                 concurrent.futures.wait([exact], timeout=5.0)
             raise
-        if exact is not None:
+        if exact is not None and exact_top == "auto" and any(
+                r.schedule is not None and r.status != "infeasible" for r in found):
+            cancel.set()  # not needed: NOTE [ The exact ILP beside the hierarchy ]
+            concurrent.futures.wait([exact], timeout=5.0)
+        elif exact is not None:
+            if exact_top == "auto":
+                bar.add_phase()  # needed after all: no hierarchy fits
             bar.phase("exact ILP of the whole graph")
             wait_cancellable([exact], cancel)
             found.append(exact.result())
@@ -496,6 +515,11 @@ class _SolveProgress:
             if self._done:
                 self._bar.update(1)
             self._show()
+
+    def add_phase(self) -> None:
+        """One more phase than the bar was started with."""
+        if self._bar is not None:
+            self._bar.total += 1
 
     def block(self) -> None:
         """One more distinct block solved in this solve."""

@@ -176,7 +176,8 @@ _CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar
 
 
 class SolveCancelled(Exception):
-    """A MIP stopped because the solve that started it was interrupted (Ctrl-C)."""
+    """A MIP stopped because the solve that started it was interrupted (Ctrl-C) or no longer
+    needs its result."""
 
 
 def _binary_factory(prob: pulp.LpProblem):

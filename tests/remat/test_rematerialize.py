@@ -316,11 +316,16 @@ def test_hierarchical_within_3_percent_of_the_ilp_on_a_traced_model(traced_mlp_g
     ilp = get_solver("ilp").solve(Problem(graph, budget, time_limit=60))
     assert ilp.status == "optimal"
     variants = [{}] if fraction < 0.5 else [{}, {"exact_top": False}]
+    times = []
     for options in variants:
         hier = get_solver("hierarchical").solve(Problem(
             graph, budget, time_limit=60, options={"progress": False, **options}))
         assert hier.simulation.peak_bytes <= budget, options
         assert hier.simulation.time <= 1.03 * ilp.simulation.time, options
+        times.append(hier.simulation.time)
+    # The default is never slower than the hierarchy alone (issue 14: it was, +36.4% vs +29.6%
+    # on this MLP at 30% of the baseline: NOTE [ The exact ILP beside the hierarchy ]).
+    assert times[0] <= min(times)
 
 
 def test_a_solver_that_finds_nothing_falls_back_to_the_faster_rescue_schedule():

@@ -199,6 +199,7 @@ def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
     class Recorder:
         def __init__(self, **kwargs):
             self.kwargs, self.n, self.postfixes, self.closed = kwargs, 0, [], False
+            self.total = kwargs["total"]
             bars.append(self)
 
         def update(self, n):
@@ -212,17 +213,23 @@ def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
-    get_solver("hierarchical").solve(Problem(graph, int(0.6 * baseline(graph)), time_limit=20))
-    assert len(bars) == 1
-    bar = bars[0]
-    total = bar.kwargs["total"]
-    assert total == 5 and bar.kwargs["unit"] == "phase" and "at most 20 s" in bar.kwargs["desc"]
-    assert bar.n == total - 1 and bar.closed  # the last phase ends with the bar
-    labels = list(dict.fromkeys(p.split(";")[0] for p in bar.postfixes))
-    assert labels == ["block options, regions by reads", "block options, regions by module",
-                      "keep/recompute blocks, regions by reads",
-                      "keep/recompute blocks, regions by module", "exact ILP of the whole graph"]
-    assert bar.postfixes[-1].endswith("blocks solved")
+    hierarchies = ["block options, regions by reads", "block options, regions by module",
+                   "keep/recompute blocks, regions by reads",
+                   "keep/recompute blocks, regions by module"]
+    # Where a hierarchy fits, the exact ILP beside it is cancelled unused: no phase of its own
+    # (NOTE [ The exact ILP beside the hierarchy ]); where none fits (60%), it is one more.
+    for fraction, phases in [(0.8, hierarchies), (0.6, [*hierarchies,
+                                                       "exact ILP of the whole graph"])]:
+        bars.clear()
+        get_solver("hierarchical").solve(Problem(graph, int(fraction * baseline(graph)),
+                                                 time_limit=20))
+        assert len(bars) == 1
+        bar = bars[0]
+        assert bar.kwargs["total"] == 4 and bar.total == len(phases), fraction
+        assert bar.kwargs["unit"] == "phase" and "at most 20 s" in bar.kwargs["desc"]
+        assert bar.n == bar.total - 1 and bar.closed  # the last phase ends with the bar
+        assert list(dict.fromkeys(p.split(";")[0] for p in bar.postfixes)) == phases, fraction
+        assert bar.postfixes[-1].endswith("blocks solved")
     get_solver("hierarchical").solve(Problem(graph, int(0.6 * baseline(graph)),
                                              options={"progress": False}))
     assert len(bars) == 1
