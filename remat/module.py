@@ -227,6 +227,18 @@ def _own_step(label: str):
 _RECOMPILE_LIMIT = 64
 
 
+# NOTE [ The user's tensors leave as they came ]
+# AOTAutograd stamps ``_dynamo_propagated_dynamic_indices`` on tensors it sees with symbolic
+# sizes (a hint for the next graph after a graph break; dynamo does not guard on it), the call's
+# own inputs included. A later capture that meets the same tensor (the user's example batch,
+# passed to a second ``rematerialize`` after ``torch._dynamo.reset()``) then gives that dimension
+# a symbol of its own instead of sharing one with its equal sizes: a graph with one more size
+# input, another structure, and a plan cache miss where the same model and batch had been
+# solved (the plan cache test failed this way). The stamp is removed from the call's tensors
+# that did not carry one before.
+_PROPAGATED_DIMS = "_dynamo_propagated_dynamic_indices"
+
+
 # NOTE [ The unmodified step runs eagerly ]
 # A batch whose unmodified step fits the budget (a short sequence, a small last batch: a fraction
 # follows the run's largest batch) runs the module's own eager step, not a compiled copy of it.
@@ -382,6 +394,8 @@ class RematModule(nn.Module):
                 return self._remat_original(*args, **kwargs)
             step = self._slot(entry)
             backend.current_leaves = leaves
+            unmarked = [x for x in leaves if isinstance(x, torch.Tensor)
+                        and not hasattr(x, _PROPAGATED_DIMS)]
             try:
                 # NOTE [ Log calls inside the captured forward ], NOTE [ Floats are
                 # constants of the capture ]
@@ -389,6 +403,9 @@ class RematModule(nn.Module):
                     out = step(self._remat_original, args, kwargs)
             finally:
                 backend.current_leaves = []
+                for x in unmarked:  # NOTE [ The user's tensors leave as they came ]
+                    if hasattr(x, _PROPAGATED_DIMS):
+                        delattr(x, _PROPAGATED_DIMS)
         except RematError:
             raise
         except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
