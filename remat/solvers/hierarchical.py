@@ -173,12 +173,12 @@ class HierarchicalSolver:
                     ) -> list[SolveResult]:
         """Every hierarchy's schedules, and the exact ILP's where it is used, unpolished.
 
-        NOTE [ The exact ILP beside the hierarchy ]: the whole-graph ILP of a small graph runs
-        in a second thread from the start (HiGHS works without the GIL), so where it is needed
-        it costs the longer of the two, not their sum, where a second core is free. By default
-        (``exact_top="auto"``) it is needed only where no hierarchy (nor per-block
-        checkpointing) fits the budget, near the lower bound: otherwise it is cancelled
-        unused. Used always (``exact_top=True``, ``hier+ilp`` in ``python -m
+        NOTE [ The exact ILP beside the hierarchy ]: by default (``exact_top="auto"``) the
+        whole-graph ILP of a small graph is solved only where no hierarchy (nor per-block
+        checkpointing) fits the budget, near the lower bound, after them (started beside them
+        from the start, it took the second core from their MIPs: a 1-layer GPT's solve 1.5 s
+        -> 2.4 s, for an ILP cancelled unused). ``exact_top=True`` runs it in a second thread
+        from the start and keeps the faster schedule. Used always (``exact_top=True``, ``hier+ilp`` in ``python -m
         benchmarks.remat_solvers quality``), it cost 7-15 s on graphs the hierarchy solves in
         0.4-3.5 s and found at most 1.1 points less overhead (U-Net at 70%: +5.0% vs +6.1%;
         2-layer GPT: +6.2% vs +6.7%; 12-layer MLP: +4.3% vs +4.6%; nothing on a ViT, a 1-layer
@@ -190,14 +190,17 @@ class HierarchicalSolver:
         """
         found: list[SolveResult] = []
         caches: dict = {}
-        exact = None
         cancel = threading.Event()
-        if exact_top:
+        later: list[concurrent.futures.Future] = []  # NOTE [ Block ILPs in the background ]
+
+        def exact_ilp() -> concurrent.futures.Future:
             limit = min(0.8, _TOP_ILP_SHARE) * problem.time_limit
-            exact = submit_cancellable(
+            return submit_cancellable(
                 thread_pool("remat-exact-ilp", 1), cancel, ILPSolver().solve,  # own thread
                 Problem(problem.graph, problem.budget_bytes, time_limit=limit,
                         options={"max_nodes": _TOP_ILP_NODES}))
+
+        exact = exact_ilp() if exact_top is True else None
         try:
             # Both rules for placing backward ops in regions (NOTE [ Segments and regions ]):
             # neither wins everywhere, and the simulator tells which schedule is faster.
@@ -213,37 +216,42 @@ class HierarchicalSolver:
                     # block ILP only over the coarse level (over the fine one a transformer's
                     # residuals cross every segment: 10 s more for nothing on a 1-layer GPT).
                     mid_ilp=len(tops) == 1, block_ilp=top == tops[0],
-                    caches=caches)
+                    caches=caches, later=(later, cancel))
             # A floor: per-block checkpointing, when it fits, polished like the others. The
             # hierarchy should beat it, and does on transformers and CNNs; where it does not
             # (a Mamba-style scan at 70%: +85% step time vs +68% at a lower peak, values of
             # one block read by every segment of the next), the user still gets the better.
             found.append(CheckpointSolver().solve(problem))
-        except BaseException:
+            if later:
+                wait_cancellable(later, cancel)
+                for future in later:  # in the order they were started
+                    found += future.result()
+            if exact is None and exact_top == "auto" and not any(
+                    r.schedule is not None and r.status != "infeasible" for r in found):
+                bar.add_phase()  # the rescue: NOTE [ The exact ILP beside the hierarchy ]
+                exact = exact_ilp()
             if exact is not None:
-                cancel.set()
-                concurrent.futures.wait([exact], timeout=5.0)
+                bar.phase("exact ILP of the whole graph")
+                wait_cancellable([exact], cancel)
+                found.append(exact.result())
+        except BaseException:
+            cancel.set()
+            concurrent.futures.wait(later + ([exact] if exact is not None else []), timeout=5.0)
             raise
-        if exact is not None and exact_top == "auto" and any(
-                r.schedule is not None and r.status != "infeasible" for r in found):
-            cancel.set()  # not needed: NOTE [ The exact ILP beside the hierarchy ]
-            concurrent.futures.wait([exact], timeout=5.0)
-        elif exact is not None:
-            if exact_top == "auto":
-                bar.add_phase()  # needed after all: no hierarchy fits
-            bar.phase("exact ILP of the whole graph")
-            wait_cancellable([exact], cancel)
-            found.append(exact.result())
         return found
 
     def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,
                       bar: "_SolveProgress | None" = None, *, top_ops: int | None = None,
                       mid_ilp: bool = False, block_ilp: bool = True,
-                      caches: dict | None = None) -> list[SolveResult]:
+                      caches: dict | None = None,
+                      later: tuple[list, threading.Event] | None = None) -> list[SolveResult]:
         """One hierarchy's schedules, unpolished: one per upper level that found one (the chain
         DP, the block ILP), else the lowest-peak schedule it saw. ``top_ops`` bounds the top
         level's segments (default: the ``max_block_ops`` option); ``caches`` holds block options
-        shared with the solve's other hierarchies."""
+        shared with the solve's other hierarchies. With ``later`` (a list of futures and the
+        event that cancels them), a block ILP runs in the background: NOTE [ Block ILPs in the
+        background ]; its future, appended to the list, gives the schedules, and this returns
+        none."""
         started = time.perf_counter()
         graph = problem.graph
         bar = bar or _SolveProgress(False, 1, problem.time_limit)
@@ -268,22 +276,36 @@ class HierarchicalSolver:
         if dag is not None and len(subs) * (sum(len(o.options) for o in options)
                                             + len(dag.storages)) > _DAG_MAX_VARIABLES:
             dag = None  # too big to solve within its node bound: see _DAG_MAX_VARIABLES
-        if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
-            # Storages cross several blocks: the block ILP models each of them once.
-            found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
-                                    deadline=deadline)
-            if found is not None:
-                candidates["block ILP"] = found[0]
         name = "hierarchical" if use_ilp else "dp"
         detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
                   f"({ctx.reused} reused); regions by {regions}; upper level: ")
-        if not candidates:
-            from ..schedule import save_all_schedule
 
-            return [finish(name, problem, lowest or save_all_schedule(graph), started,
-                           proven=False, detail=detail + "chain DP; no schedule within the budget")]
-        return [finish(name, problem, schedule, started, proven=False, detail=detail + upper)
-                for upper, schedule in candidates.items()]
+        def results() -> list[SolveResult]:
+            if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
+                # Storages cross several blocks: the block ILP models each of them once.
+                found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
+                                        deadline=deadline)
+                if found is not None:
+                    candidates["block ILP"] = found[0]
+            if not candidates:
+                from ..schedule import save_all_schedule
+
+                return [finish(name, problem, lowest or save_all_schedule(graph), started,
+                               proven=False,
+                               detail=detail + "chain DP; no schedule within the budget")]
+            return [finish(name, problem, schedule, started, proven=False, detail=detail + upper)
+                    for upper, schedule in candidates.items()]
+
+        if later is None or dag is None or dag.is_chain:
+            return results()
+        # NOTE [ Block ILPs in the background ]: a block ILP is a few MIPs in a row (its
+        # capacity search), 1-2 s each on a U-Net, which HiGHS solves without the GIL; the
+        # solve's next hierarchies (other region rules, keep/recompute options) do not depend
+        # on it, so it runs in another thread meanwhile and is collected, in the order started,
+        # before the winner is chosen. Its schedules do not depend on timing.
+        futures, cancel = later
+        futures.append(submit_cancellable(thread_pool("remat-block-ilp", 2), cancel, results))
+        return []
 
 
 class _Context:

@@ -407,3 +407,28 @@ def test_mips_side_by_side_in_a_forked_child(monkeypatch):
     with multiprocessing.get_context("fork").Pool(1) as pool:
         there = pool.apply_async(_solve_in_child, (problems,)).get(timeout=60)
     assert there == here
+
+
+def test_block_ilps_in_the_background_give_the_inline_schedule(monkeypatch):
+    """NOTE [ Block ILPs in the background ]: a U-Net's block ILPs (storages cross blocks) run
+    in other threads while the next hierarchies are solved; the schedule is the one the same
+    solve finds with each block ILP run in turn."""
+    graph = unet(levels=3, act=A, grad=D)
+    problem = Problem(graph, int(0.6 * baseline(graph)), options={"progress": False})
+    started = []
+    real = HierarchicalSolver._hierarchical
+
+    def counting(self, *args, later=None, **kwargs):
+        results = real(self, *args, later=later, **kwargs)
+        if later is not None and not results:
+            started.append(True)  # deferred: its schedules come from the future
+        return results
+
+    monkeypatch.setattr(HierarchicalSolver, "_hierarchical", counting)
+    background = get_solver("hierarchical").solve(problem)
+    assert started, "no block ILP ran in the background: the test proves nothing"
+    monkeypatch.setattr(HierarchicalSolver, "_hierarchical",
+                        lambda self, *args, later=None, **kwargs: real(self, *args, **kwargs))
+    inline = get_solver("hierarchical").solve(problem)
+    assert background.schedule == inline.schedule
+    assert background.simulation.peak_bytes <= problem.budget_bytes
