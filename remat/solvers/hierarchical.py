@@ -22,8 +22,9 @@ NOTE [ Hierarchical solving ]
 
 The solve runs a fixed list of hierarchies (two region rules; for small graphs a second, fine
 top level, NOTE [ Fine and coarse top levels ]; keep/recompute-only options), and for graphs
-whose whole ILP is small, that ILP in a second thread, used where no hierarchy fits
-(NOTE [ The exact ILP beside the hierarchy ]). The fastest schedule that fits wins. Every part is bounded by work, so an uncut
+whose whole ILP is small, that ILP where no hierarchy fits (NOTE [ The exact ILP beside the
+hierarchy ]); block ILPs run in the background (NOTE [ Block ILPs in the background ]). The
+fastest schedule that fits wins. Every part is bounded by work, so an uncut
 solve's schedule does not depend on the machine's load (NOTE [ Work bounds and the time cap ]).
 """
 from __future__ import annotations
