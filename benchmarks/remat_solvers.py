@@ -379,9 +379,9 @@ def quality(args: argparse.Namespace) -> None:
                        "and counts what it recomputes as live for the whole stage: a schedule "
                        "outside that model can beat it (a negative gap) or fit where it finds "
                        "none; stopped by its time limit, it is compared by its best schedule. "
-                       "hierarchical: the default (the whole-graph ILP beside it is used only "
-                       "where no hierarchy fits); hier-only: without that ILP; hier+ilp: with "
-                       "it always, keeping the faster; dp: the chain DP with keep-all/keep-nothing blocks; "
+                       "hierarchical: the default (the whole-graph ILP is solved only where no "
+                       "hierarchy fits); hier-only: without that ILP; hier+ilp: with it always, "
+                       "keeping the faster; dp: the chain DP with keep-all/keep-nothing blocks; "
                        "checkpoint: recompute each block, like torch.utils.checkpoint"),
         ])]
     print(f"remat_solvers quality: {'--quick sizes, ' if args.quick else ''}"

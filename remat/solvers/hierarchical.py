@@ -109,10 +109,10 @@ class HierarchicalSolver:
         progress: show one progress bar per solve over its phases (default ``True``).
         block_ilp: where storages cross several top-level blocks (a U-Net's skips), also solve
             the upper level with the block ILP (NOTE [ The block ILP ]; default ``True``).
-        exact_top: also solve the whole graph with the exact ILP, beside the hierarchy
-            (NOTE [ The exact ILP beside the hierarchy ]): ``"auto"`` (default) where its model
-            has at most 2,500 binaries, used only if no hierarchy finds a schedule that fits;
-            ``True`` always, keeping the faster schedule; ``False`` never.
+        exact_top: also solve the whole graph with the exact ILP (NOTE [ The exact ILP beside
+            the hierarchy ]): ``"auto"`` (default) where no hierarchy finds a schedule that fits
+            and its model has at most 2,500 binaries; ``True`` always, beside the hierarchy,
+            keeping the faster schedule; ``False`` never.
     """
 
     name: ClassVar[str] = "hierarchical"
@@ -122,13 +122,9 @@ class HierarchicalSolver:
         started = time.perf_counter()
         deadline = started + problem.time_limit
         graph = problem.graph
-        # Small enough for the exact ILP at the top: HiRemate solves small levels exactly.
         exact_top = problem.options.get("exact_top", "auto")
         if exact_top not in ("auto", True, False):
             raise ValueError(f"exact_top={exact_top!r}: expected 'auto', True or False")
-        if exact_top == "auto" and not (
-                _Model(graph, problem.budget_bytes).num_variables <= _TOP_ILP_VARIABLES):
-            exact_top = False
         exact_top = exact_top if self.use_ilp else False
         tops = (_top_levels(graph, problem.options) if self.use_ilp
                 else [int(problem.options.get("max_block_ops", 120))])
@@ -144,9 +140,7 @@ class HierarchicalSolver:
                 found = self._candidates(problem, runs, tops, exact_top, deadline, bar)
             finally:
                 bar.close()
-            feasible = sorted((r for r in found
-                               if r.schedule is not None and r.status != "infeasible"),
-                              key=lambda r: r.simulation.time)
+            feasible = sorted(filter(_fits, found), key=lambda r: r.simulation.time)
             if not feasible:
                 lowest = min((r for r in found if r.schedule is not None),
                              key=lambda r: r.simulation.peak_bytes)
@@ -175,17 +169,18 @@ class HierarchicalSolver:
         """Every hierarchy's schedules, and the exact ILP's where it is used, unpolished.
 
         NOTE [ The exact ILP beside the hierarchy ]: by default (``exact_top="auto"``) the
-        whole-graph ILP of a small graph is solved only where no hierarchy (nor per-block
-        checkpointing) fits the budget, near the lower bound, after them (started beside them
-        from the start, it took the second core from their MIPs: a 1-layer GPT's solve 1.5 s
-        -> 2.4 s, for an ILP cancelled unused). ``exact_top=True`` runs it in a second thread
-        from the start and keeps the faster schedule. Used always (``exact_top=True``, ``hier+ilp`` in ``python -m
-        benchmarks.remat_solvers quality``), it cost 7-15 s on graphs the hierarchy solves in
-        0.4-3.5 s and found at most 1.1 points less overhead (U-Net at 70%: +5.0% vs +6.1%;
-        2-layer GPT: +6.2% vs +6.7%; 12-layer MLP: +4.3% vs +4.6%; nothing on a ViT, a 1-layer
-        GPT or any 50%/30% budget); before, with the ILP beside it, the hierarchy also skipped
-        its mid-block ILP options and so could end slower than the hierarchy alone (MLP at 30%:
-        +32.5% vs +29.5%).
+        whole-graph ILP is solved only where no hierarchy (nor per-block checkpointing) fits
+        the budget, near the lower bound, after them, and only if its model is small
+        (``_TOP_ILP_VARIABLES``; counting them is quadratic in the graph, so it is done only
+        then). Started beside the hierarchies from the start, it took the second core from
+        their MIPs (a 1-layer GPT's solve 1.5 s -> 2.4 s) for an ILP rarely used.
+        ``exact_top=True`` runs it in a second thread from the start and keeps the faster
+        schedule (``hier+ilp`` in ``python -m benchmarks.remat_solvers quality``): it cost
+        7-15 s on graphs the hierarchy solves in 0.4-3.5 s and found at most 1.1 points less
+        overhead (U-Net at 70%: +5.0% vs +6.1%; 2-layer GPT: +6.2% vs +6.7%; 12-layer MLP:
+        +4.3% vs +4.6%; nothing on a ViT, a 1-layer GPT or any 50%/30% budget). With it
+        beside, the hierarchy used to skip its mid-block ILP options and could end slower than
+        the hierarchy alone (MLP at 30%: +32.5% vs +29.5%).
         Both are bounded by work, and whether the ILP is used depends only on the hierarchy's
         schedules, so which one wins does not depend on timing.
         """
@@ -227,8 +222,9 @@ class HierarchicalSolver:
                 wait_cancellable(later, cancel)
                 for future in later:  # in the order they were started
                     found += future.result()
-            if exact is None and exact_top == "auto" and not any(
-                    r.schedule is not None and r.status != "infeasible" for r in found):
+            if exact is None and exact_top == "auto" and not any(map(_fits, found)) and (
+                    _Model(problem.graph, problem.budget_bytes).num_variables
+                    <= _TOP_ILP_VARIABLES):
                 bar.add_phase()  # the rescue: NOTE [ The exact ILP beside the hierarchy ]
                 exact = exact_ilp()
             if exact is not None:
@@ -277,13 +273,14 @@ class HierarchicalSolver:
         if dag is not None and len(subs) * (sum(len(o.options) for o in options)
                                             + len(dag.storages)) > _DAG_MAX_VARIABLES:
             dag = None  # too big to solve within its node bound: see _DAG_MAX_VARIABLES
+        crossing = dag is not None and not dag.is_chain  # storages cross several blocks
         name = "hierarchical" if use_ilp else "dp"
         detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
                   f"({ctx.reused} reused); regions by {regions}; upper level: ")
 
         def results() -> list[SolveResult]:
-            if dag is not None and not dag.is_chain and time.perf_counter() < deadline:
-                # Storages cross several blocks: the block ILP models each of them once.
+            if crossing and time.perf_counter() < deadline:
+                # The block ILP models each storage crossing blocks once.
                 found = solve_block_dag(graph, dag, subs, options, problem.budget_bytes,
                                         deadline=deadline)
                 if found is not None:
@@ -297,7 +294,7 @@ class HierarchicalSolver:
             return [finish(name, problem, schedule, started, proven=False, detail=detail + upper)
                     for upper, schedule in candidates.items()]
 
-        if later is None or dag is None or dag.is_chain:
+        if later is None or not crossing:
             return results()
         # NOTE [ Block ILPs in the background ]: a block ILP is a few MIPs in a row (its
         # capacity search), 1-2 s each on a U-Net, which HiGHS solves without the GIL; the
@@ -307,6 +304,11 @@ class HierarchicalSolver:
         futures, cancel = later
         futures.append(submit_cancellable(thread_pool("remat-block-ilp", 2), cancel, results))
         return []
+
+
+def _fits(result: SolveResult) -> bool:
+    """A schedule within the budget."""
+    return result.schedule is not None and result.status != "infeasible"
 
 
 class _Context:

@@ -176,8 +176,7 @@ _CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar
 
 
 class SolveCancelled(Exception):
-    """A MIP stopped because the solve that started it was interrupted (Ctrl-C) or no longer
-    needs its result."""
+    """A MIP stopped because the solve that started it was interrupted (Ctrl-C)."""
 
 
 def _binary_factory(prob: pulp.LpProblem):

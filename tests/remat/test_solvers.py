@@ -216,8 +216,8 @@ def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
     hierarchies = ["block options, regions by reads", "block options, regions by module",
                    "keep/recompute blocks, regions by reads",
                    "keep/recompute blocks, regions by module"]
-    # Where a hierarchy fits, the exact ILP beside it is cancelled unused: no phase of its own
-    # (NOTE [ The exact ILP beside the hierarchy ]); where none fits (60%), it is one more.
+    # Where a hierarchy fits, the exact ILP is not solved: no phase of its own (NOTE [ The
+    # exact ILP beside the hierarchy ]); where none fits (60%), it is one more.
     for fraction, phases in [(0.8, hierarchies), (0.6, [*hierarchies,
                                                        "exact ILP of the whole graph"])]:
         bars.clear()
