@@ -8,13 +8,20 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _restore_global_torch_state():
-    """Restore seed, default dtype, deterministic flags and dynamo caches around every test."""
+def _restore_global_torch_state(request):
+    """Restore seed, default dtype, deterministic flags and dynamo caches around every test.
+
+    Tests marked ``dynamo_state_carries`` keep dynamo's caches from one to the next (a user's
+    run never resets them, and what builds up over many models and shapes is tested there);
+    any other test resets them on entry and on exit."""
     dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
     grad_enabled = torch.is_grad_enabled()
     rng = torch.get_rng_state()
     py_rng = random.getstate()
+    carries = request.node.get_closest_marker("dynamo_state_carries") is not None
+    if not carries:
+        torch._dynamo.reset()  # after a test whose state carried
     torch.manual_seed(0)
     random.seed(0)
     yield
@@ -23,7 +30,8 @@ def _restore_global_torch_state():
     torch.set_grad_enabled(grad_enabled)
     torch.set_rng_state(rng)
     random.setstate(py_rng)
-    torch._dynamo.reset()
+    if not carries:
+        torch._dynamo.reset()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Many input shapes, many models, one process: NOTE [ Shape-generic plans ] as users hit it.
 
-No test here resets dynamo: they run the way a training script does, one process, many calls.
+No test here resets dynamo, nor does the suite between them (``dynamo_state_carries``): they run
+the way a training script does, one process, many models and calls.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ TIME_LIMIT = 10.0
 MIN_LEN, MAX_LEN, MAX_BATCH = 32, 512, 8
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+# One thread (see tests/conftest.py); dynamo's caches carry from test to test, as in a run.
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.dynamo_state_carries]
 
 
 def tiny_gpt2(seed: int = 0) -> nn.Module:
