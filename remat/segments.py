@@ -11,8 +11,14 @@ it, so segments are contiguous in forward order.
 Each backward op belongs to the *region* of one segment. Two rules, and the hierarchical solver
 tries both (neither wins on every model and budget): by *reads*, the latest segment whose
 forward values it reads, else the segment of the module it differentiates (if that module
-lives in one segment), else its predecessor's; by *module*, the module's segment first (unless
-it reads values of a later segment). By reads, a conv's input-gradient, which reads only the
+lives in one segment), else the earliest region its backward inputs allow, else its
+predecessor's; by *module*, the module's segment first (unless it reads values of a later
+segment). A value *shared* by later segments (read by forward ops two or more segments after
+its own: an attention mask, a scan's parameters) does not hold an op back: an op reading one
+runs in the earliest region where its backward inputs exist and all the forward values it reads
+are still visible. Without these two, a Mamba-style scan's backward (each step reads the
+selected step gradient and the shared ``A``) fell whole into the scan's first region, and 59% of
+the step's peak was memory the chain model could not see. By reads, a conv's input-gradient, which reads only the
 conv's input, joins the previous segment's region, and the gradient flowing between the two is
 invisible to the chain model: at low budgets on a ResNet that costs half the recomputation. A
 backward op may not run before a backward op it reads from, so it moves to a later region when
@@ -157,11 +163,25 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str
     n = len(segments)
 
     # Regions: by the forward values read, else by module (when the module lives in one
-    # segment only), else the previous op's.
+    # segment only), else the earliest its backward inputs allow, else the previous op's.
     path_segs: dict[str, set[int]] = {}
     for i in fwd:
         path_segs.setdefault(ops[i].module, set()).add(seg_of[i])
     live = liveness(graph)
+    root = graph.storage_root
+    last_reader = {}
+    for i in fwd:
+        for v in ops[i].inputs:
+            r = root[v]
+            if values[r].kind is ValueKind.ACTIVATION:
+                last_reader[r] = max(last_reader.get(r, -1), seg_of[i])
+
+    def visible_until(r: int) -> int:  # the last region where the chain model sees value r
+        return max(seg_of[values[r].producer], last_reader.get(r, -1))
+
+    def shared(r: int) -> bool:  # read by forward ops two or more segments after its own
+        return last_reader.get(r, -1) >= seg_of[values[r].producer] + 2
+
     region_of: dict[int, int] = {}
     previous = n - 1
     for k, b in enumerate(graph.backward_ops):
@@ -176,8 +196,21 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str
             region = home
         elif owners:
             region = max(owners)
+            early = min((region_of[values[v].producer] for v in op.inputs
+                         if values[v].producer >= nf), default=region)
+            reads = {root[v] for v in live.needs[k] if 0 <= values[root[v]].producer < nf}
+            if early > region and any(shared(r) for r in reads):
+                # It reads a value shared by later segments (an attention mask, a scan's
+                # parameters): that value's first segment must not hold it back. It runs in the
+                # earliest region where its backward inputs exist and every forward value it
+                # reads is still visible (NOTE [ Segments and regions ]).
+                region = max(region, min([early, *(visible_until(r) for r in reads)]))
         else:
-            region = previous
+            # Reads no forward value: as early as its backward inputs allow (below), else with
+            # the op before it. A scan's backward starts by selecting every step's output
+            # gradient; pinned to the op before them, those selects (and every step's backward,
+            # which reads them) all fell into the scan's first region.
+            region = previous if not any(values[v].producer >= nf for v in op.inputs) else n
         for v in op.inputs:  # never before a backward op it reads from
             p = values[v].producer
             if p >= nf:
@@ -188,13 +221,6 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str
         regions[region_of[b]].append(b)
 
     # Cuts: storages produced before segment l and read by forward ops from l on.
-    root = graph.storage_root
-    last_reader = {}
-    for i in fwd:
-        for v in ops[i].inputs:
-            r = root[v]
-            if values[r].kind is ValueKind.ACTIVATION:
-                last_reader[r] = max(last_reader.get(r, -1), seg_of[i])
     cut = [0] * (n + 1)
     for r, last in last_reader.items():
         born = seg_of[values[r].producer]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 
 from ..graph import RematGraph, ValueKind
@@ -86,14 +87,32 @@ class BlockOptions:
 
 
 def block_signature(sub: RematGraph) -> str:
-    """A hash of a block's structure: ops, wiring, shapes and sizes (not names or times)."""
+    """A hash of a block's structure: ops, wiring, shapes and sizes (not names, times or
+    constant arguments).
+
+    Two blocks with the same hash take the same options: a schedule is valid for any block with
+    the same wiring, and its price depends on each op's kind and tensor shapes (its work) and on
+    the bytes, not on constants such as an index. So the steps of a scan written as a Python loop (``x[:, i]`` for each ``i``) are one block, not one
+    per step: a 64-step Mamba-style scan cut into 4-step segments solves 1 segment, not 16.
+    """
     h = hashlib.sha1()
     for op in sub.ops:
-        h.update(f"{op.phase.value}|{op.signature}|{op.inputs}|{op.outputs}|{op.recomputable}".encode())
+        h.update(f"{op.phase.value}|{_work(op.signature)}|{op.inputs}|{op.outputs}|"
+                 f"{op.recomputable}".encode())
     for v in sub.values:
         h.update(f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}".encode())
     h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
     return h.hexdigest()
+
+
+_TENSOR_ARG = re.compile(r"T\([^)]*\)\w+")
+
+
+def _work(signature: str) -> str:
+    """An op's target and tensor arguments (shapes, dtypes) from its signature
+    (``aten.select.int(T(s0, 64, 128)float32,1,57;)`` -> ``aten.select.int T(s0, 64, 128)float32``)."""
+    target, _, args = signature.partition("(")
+    return " ".join([target, *_TENSOR_ARG.findall(args)])
 
 
 def _own_bytes(sub: RematGraph, saved: frozenset[int]) -> int:

@@ -149,6 +149,56 @@ def test_block_ilp_beats_the_chain_dp_on_a_u_shaped_graph():
     assert hierarchical.solve(problem).schedule == solved.schedule  # deterministic
 
 
+def test_a_scans_backward_spreads_over_its_regions():
+    """A Mamba-style scan written as a Python loop: its backward starts by selecting every
+    step's output gradient (ops that read no forward value), and every step reads values shared
+    by all steps (the scan's ``A``). Placed with the op before them / with the shared value's
+    first segment, the whole scan's backward fell into one region and 59% of the step's peak was
+    memory the chain model could not see (a 64-step Mamba at 50%: only the least-memory
+    fallback fit, at 92x the step time). Each step's backward now joins its own segment."""
+    import torch
+
+    import remat
+    from benchmarks.models import Mamba
+
+    torch.manual_seed(0)
+    model = Mamba(vocab_size=64, d_model=16, n_layer=1, d_state=8)
+    idx = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(0))
+    graph = remat.rematerialize(model, idx, torch.roll(idx, -1, dims=1), budget="1TiB",
+                                solver="none").graphs[0]
+    backward = len(graph.backward_ops)
+    for rule in ("reads", "module"):
+        for max_ops in (120, 40):
+            structure = chain_structure(graph, max_block_ops=max_ops, regions=rule)
+            sizes = [len(r) for r in structure.regions]
+            assert structure.fixed_bytes <= 0.15 * baseline(graph), (rule, max_ops)
+            assert max(sizes) <= (0.4 if max_ops == 120 else 0.2) * backward, (rule, max_ops, sizes)
+
+
+def test_block_signature_ignores_constants_not_shapes():
+    """Identical blocks share one solve: the steps of a scan differ only in the index they
+    select (a constant), which changes neither a schedule's validity nor its price; a different
+    tensor shape is different work."""
+    import dataclasses
+
+    from remat.solvers.options import block_signature
+
+    graph = chain([1.0, 2.0], act=A, grad=D)
+
+    def with_signature(signature: str):
+        ops = list(graph.ops)
+        ops[0] = dataclasses.replace(ops[0], signature=signature)
+        return dataclasses.replace(graph, ops=ops)
+
+    step = "aten.select.int(T(s0, 64, 128)float32,1,{};)"
+    assert block_signature(with_signature(step.format(3))) == \
+        block_signature(with_signature(step.format(57)))
+    assert block_signature(with_signature(step.format(3))) != \
+        block_signature(with_signature("aten.select.int(T(s0, 64, 96)float32,1,3;)"))
+    assert block_signature(with_signature(step.format(3))) != \
+        block_signature(with_signature("aten.slice.Tensor(T(s0, 64, 128)float32,1,3;)"))
+
+
 def test_region_rules_place_input_gradients():
     """Backward op b_i of the chain reads only a_{i-1}, the previous layer's output (like a
     conv's input-gradient): by reads it joins layer i-1's region, by module layer i's."""
@@ -410,25 +460,63 @@ def test_mips_side_by_side_in_a_forked_child(monkeypatch):
 
 
 def test_block_ilps_in_the_background_give_the_inline_schedule(monkeypatch):
-    """NOTE [ Block ILPs in the background ]: a U-Net's block ILPs (storages cross blocks) run
-    in other threads while the next hierarchies are solved; the schedule is the one the same
-    solve finds with each block ILP run in turn."""
+    """NOTE [ Block ILPs in the background ]: a U-Net's block ILP (storages cross blocks) runs
+    in another thread while the next hierarchies are solved; the schedule is the one the same
+    solve finds with the block ILP run in place."""
+    import concurrent.futures
+
+    from remat.solvers import hierarchical
+
     graph = unet(levels=3, act=A, grad=D)
     problem = Problem(graph, int(0.6 * baseline(graph)), options={"progress": False})
-    started = []
-    real = HierarchicalSolver._hierarchical
+    threads = []
+    real_submit = hierarchical.submit_cancellable
 
-    def counting(self, *args, later=None, **kwargs):
-        results = real(self, *args, later=later, **kwargs)
-        if later is not None and not results:
-            started.append(True)  # deferred: its schedules come from the future
-        return results
+    def submit(pool, cancel, fn, *args):
+        threads.append(pool)
+        return real_submit(pool, cancel, fn, *args)
 
-    monkeypatch.setattr(HierarchicalSolver, "_hierarchical", counting)
+    monkeypatch.setattr(hierarchical, "submit_cancellable", submit)
     background = get_solver("hierarchical").solve(problem)
-    assert started, "no block ILP ran in the background: the test proves nothing"
-    monkeypatch.setattr(HierarchicalSolver, "_hierarchical",
-                        lambda self, *args, later=None, **kwargs: real(self, *args, **kwargs))
+    assert threads, "no block ILP ran in the background: the test proves nothing"
+
+    def in_place(pool, cancel, fn, *args):
+        done = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done
+
+    monkeypatch.setattr(hierarchical, "submit_cancellable", in_place)
     inline = get_solver("hierarchical").solve(problem)
     assert background.schedule == inline.schedule
     assert background.simulation.peak_bytes <= problem.budget_bytes
+
+
+def test_only_the_best_chain_dps_block_ilp_is_solved(monkeypatch):
+    """NOTE [ Block ILPs in the background ]: both region rules give a U-Net a block ILP; only
+    the one whose chain DP found the faster schedule is solved, and the solve is as fast as
+    with both (where no chain DP fits, both are solved)."""
+    from remat.solvers import hierarchical
+
+    graph = unet(levels=4, ops_per_level=3, act=A, grad=D, enc_time=2.0, dec_time=1.0)
+    low = peak_lower_bound(graph)
+    chosen = []
+    real = hierarchical._block_ilps_to_run
+
+    def counting(pending):
+        picked = real(pending)
+        chosen.append((len(pending), len(picked)))
+        return picked
+
+    monkeypatch.setattr(hierarchical, "_block_ilps_to_run", counting)
+    for fraction in (0.3, 0.6):
+        problem = Problem(graph, int(low + fraction * (baseline(graph) - low)),
+                          options={"progress": False})
+        chosen.clear()
+        one = get_solver("hierarchical").solve(problem)
+        assert (2, 1) in chosen, chosen
+        monkeypatch.setattr(hierarchical, "_block_ilps_to_run",
+                            lambda pending: [solve for _, solve in pending])
+        both = get_solver("hierarchical").solve(problem)
+        monkeypatch.setattr(hierarchical, "_block_ilps_to_run", counting)
+        assert one.simulation.peak_bytes <= problem.budget_bytes
+        assert one.simulation.time <= both.simulation.time * (1 + 1e-9), fraction
