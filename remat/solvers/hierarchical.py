@@ -270,6 +270,13 @@ class HierarchicalSolver:
                   f"{'fine top level, ' if top_ops < ctx.max_block_ops else ''}"
                   f"regions by {regions}")
         chain = chain_structure(graph, max_block_ops=top_ops, regions=regions)
+        if caches is not None:
+            # Both region rules often agree (a scan: every backward op reads its own segment's
+            # values); the same hierarchy again would give the same schedules.
+            solved = caches.setdefault("hierarchies", set())
+            if (use_ilp, mid_ilp, block_ilp, chain) in solved:
+                return []
+            solved.add((use_ilp, mid_ilp, block_ilp, chain))
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
         table = solve_chain(_stages(chain, options), chain.cut_bytes[-1],

@@ -175,6 +175,25 @@ def test_a_scans_backward_spreads_over_its_regions():
             assert max(sizes) <= (0.4 if max_ops == 120 else 0.2) * backward, (rule, max_ops, sizes)
 
 
+def test_a_hierarchy_both_region_rules_agree_on_is_solved_once(monkeypatch):
+    """Where both region rules give the same chain (a Mamba-style scan: every backward op reads
+    its own segment's values), the second hierarchy would repeat the first: it is skipped."""
+    from remat.solvers import hierarchical
+
+    graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
+    assert chain_structure(graph, max_block_ops=1, regions="reads") == \
+        chain_structure(graph, max_block_ops=1, regions="module")
+    searched = []
+    real = hierarchical._search
+    monkeypatch.setattr(hierarchical, "_search",
+                        lambda *args: searched.append(True) or real(*args))
+    problem = Problem(graph, int(0.6 * baseline(graph)),
+                      options={"progress": False, "max_block_ops": 1})
+    result = get_solver("hierarchical").solve(problem)
+    assert len(searched) == 2  # the ILP-option hierarchy and the keep/recompute one, once each
+    assert result.status == "feasible" and result.simulation.peak_bytes <= problem.budget_bytes
+
+
 def test_block_signature_ignores_constants_not_shapes():
     """Identical blocks share one solve: the steps of a scan differ only in the index they
     select (a constant), which changes neither a schedule's validity nor its price; a different
