@@ -10,16 +10,16 @@ it, so segments are contiguous in forward order.
 
 Each backward op belongs to the *region* of one segment. Two rules, and the hierarchical solver
 tries both (neither wins on every model and budget): by *reads*, the latest segment whose
-forward values it reads, else the segment of the module it differentiates (if that module
-lives in one segment), else the earliest region its backward inputs allow, else its
-predecessor's; by *module*, the module's segment first (unless it reads values of a later
-segment). A value *shared* by later segments (read by forward ops two or more segments after
-its own: an attention mask, a scan's parameters) does not hold an op back: an op reading one
-runs in the earliest region where its backward inputs exist and all the forward values it reads
-are still visible. Without these two, a Mamba-style scan's backward (each step reads the
-selected step gradient and the shared ``A``) fell whole into the scan's first region, and 59% of
-the step's peak was memory the chain model could not see. By reads, a conv's input-gradient, which reads only the
-conv's input, joins the previous segment's region, and the gradient flowing between the two is
+forward values it reads, else the segment of the module it differentiates (if that module lives
+in one segment), else the earliest region its backward inputs allow, else its predecessor's; by
+*module*, the module's segment first (unless it reads values of a later segment). A value
+*shared* by later segments (read by forward ops two or more segments after its own: an attention
+mask, a scan's parameters) does not hold an op back: an op reading one runs in the earliest
+region where its backward inputs exist and all the forward values it reads are still visible.
+Without these two, a Mamba-style scan's backward (each step reads the selected step gradient and
+the shared ``A``) fell whole into the scan's first region, and 59% of the step's peak was memory
+the chain model could not see. By reads, a conv's input-gradient, which reads only the conv's
+input, joins the previous segment's region, and the gradient flowing between the two is
 invisible to the chain model: at low budgets on a ResNet that costs half the recomputation. A
 backward op may not run before a backward op it reads from, so it moves to a later region when
 needed. Regions run in reverse segment order, each in the original backward order.
@@ -188,6 +188,9 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str
         op = ops[b]
         owners = {seg_of[values[v].producer] for v in live.needs[k]
                   if 0 <= values[v].producer < nf}
+        # The earliest region its backward inputs allow: never before a backward op it reads.
+        early = min((region_of[values[v].producer] for v in op.inputs
+                     if values[v].producer >= nf), default=None)
         home = (next(iter(path_segs[op.module]))
                 if op.module and len(path_segs.get(op.module, ())) == 1 else None)
         if home is not None and (home >= max(owners, default=-1) if by_module else not owners):
@@ -196,25 +199,22 @@ def chain_structure(graph: RematGraph, *, max_block_ops: int = 120, regions: str
             region = home
         elif owners:
             region = max(owners)
-            early = min((region_of[values[v].producer] for v in op.inputs
-                         if values[v].producer >= nf), default=region)
-            reads = {root[v] for v in live.needs[k] if 0 <= values[root[v]].producer < nf}
-            if early > region and any(shared(r) for r in reads):
-                # It reads a value shared by later segments (an attention mask, a scan's
-                # parameters): that value's first segment must not hold it back. It runs in the
-                # earliest region where its backward inputs exist and every forward value it
-                # reads is still visible (NOTE [ Segments and regions ]).
-                region = max(region, min([early, *(visible_until(r) for r in reads)]))
+            if early is not None and early > region:
+                reads = {root[v] for v in live.needs[k] if 0 <= values[root[v]].producer < nf}
+                if any(shared(r) for r in reads):
+                    # It reads a value shared by later segments (an attention mask, a scan's
+                    # parameters): that value's first segment must not hold it back. It runs
+                    # in the earliest region where its backward inputs exist and every forward
+                    # value it reads is still visible (NOTE [ Segments and regions ]).
+                    region = max(region, min([early, *(visible_until(r) for r in reads)]))
         else:
-            # Reads no forward value: as early as its backward inputs allow (below), else with
-            # the op before it. A scan's backward starts by selecting every step's output
-            # gradient; pinned to the op before them, those selects (and every step's backward,
-            # which reads them) all fell into the scan's first region.
-            region = previous if not any(values[v].producer >= nf for v in op.inputs) else n
-        for v in op.inputs:  # never before a backward op it reads from
-            p = values[v].producer
-            if p >= nf:
-                region = min(region, region_of[p])
+            # Reads no forward value: as early as its backward inputs allow, else with the op
+            # before it. A scan's backward starts by selecting every step's output gradient;
+            # pinned to the op before them, those selects (and every step's backward, which
+            # reads them) all fell into the scan's first region.
+            region = previous if early is None else early
+        if early is not None:
+            region = min(region, early)
         region_of[b] = previous = region
     regions = [[] for _ in range(n)]
     for b in graph.backward_ops:

@@ -92,8 +92,9 @@ def block_signature(sub: RematGraph) -> str:
 
     Two blocks with the same hash take the same options: a schedule is valid for any block with
     the same wiring, and its price depends on each op's kind and tensor shapes (its work) and on
-    the bytes, not on constants such as an index. So the steps of a scan written as a Python loop (``x[:, i]`` for each ``i``) are one block, not one
-    per step: a 64-step Mamba-style scan cut into 4-step segments solves 1 segment, not 16.
+    the bytes, not on constants such as an index. So the steps of a scan written as a Python
+    loop (``x[:, i]`` for each ``i``) are one block, not one per step: a 64-step Mamba-style
+    scan cut into 4-step segments solves 1 segment, not 16.
     """
     h = hashlib.sha1()
     for op in sub.ops:
@@ -109,8 +110,9 @@ _TENSOR_ARG = re.compile(r"T\([^)]*\)\w+")
 
 
 def _work(signature: str) -> str:
-    """An op's target and tensor arguments (shapes, dtypes) from its signature
-    (``aten.select.int(T(s0, 64, 128)float32,1,57;)`` -> ``aten.select.int T(s0, 64, 128)float32``)."""
+    """An op's target and tensor arguments (shapes, dtypes) from its signature, without its
+    constants: ``aten.select.int(T(s0, 64, 128)float32,1,57;)`` ->
+    ``aten.select.int T(s0, 64, 128)float32``."""
     target, _, args = signature.partition("(")
     return " ".join([target, *_TENSOR_ARG.findall(args)])
 
