@@ -27,7 +27,7 @@ The model's memory accounting is approximate (storages remade in a stage count f
 stage, an option's backward peak is taken from its block alone), so, as for the chain DP, the
 simulator judges: we solve at the budget, then at a lower capacity while the simulated peak is
 over it, or a higher one while the model finds nothing or leaves memory unused. The actions
-become one schedule with :func:`remat.solvers.hierarchical.assemble`.
+become one schedule with :func:`remat.solvers.upper.assemble`.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from ..subgraph import Subgraph
 from .base import time_cut
 from .ilp import _binary_factory, make_mip_solver
 from .options import BlockOptions
+from .upper import assemble  # the chain DP's merge step serves both upper levels
 
 __all__ = ["BlockDAG", "block_dag", "solve_block_dag"]
 
@@ -371,8 +372,6 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
     too-high capacity are known. At most ``attempts`` solves, each bounded in branch-and-bound
     nodes. ``None`` if no schedule fits.
     """
-    from .hierarchical import assemble  # the chain solver's merge step serves both levels
-
     step = max(1, budget // 33)  # ~3% of the budget
     capacity, best = budget, None
     too_low, too_high = None, None  # the model finds nothing / its schedule does not fit

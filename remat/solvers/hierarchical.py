@@ -32,27 +32,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import threading
 import time
 from typing import Callable, ClassVar
 
 from ..errors import ScheduleError
-from ..graph import RematGraph, ValueKind
-from ..schedule import Schedule, Simulation, forward_ops_needed, remake_views, simulate, tidy
+from ..graph import RematGraph
+from ..schedule import save_all_schedule
 from ..segments import REGION_RULES, Chain, chain_structure
-from ..subgraph import Subgraph, extract_subgraph
+from ..subgraph import extract_subgraph
 from .baselines import CheckpointSolver
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
-from .chain import ChainTable, Stage, StageOption, solve_chain
+from .chain import solve_chain
 from .dag import block_dag, solve_block_dag
 from .ilp import ILPSolver, _Model, submit_cancellable, thread_pool, wait_cancellable
 from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
 from .polish import polish
+from .progress import SolveProgress
+from .upper import assemble, capacity_grid, chain_stages, search_capacity
 
 __all__ = ["HierarchicalSolver", "DPSolver"]
-
-log = logging.getLogger(__name__)
 
 _SLOTS = 600
 # Graphs whose whole ILP is this small are also solved exactly, where no hierarchy fits (NOTE
@@ -134,7 +133,7 @@ class HierarchicalSolver:
             # The coarse hierarchies with keep-all/keep-nothing options only: cheap, and their
             # DP model is sometimes the more accurate one at very low budgets.
             runs += [(tops[0], rule, False) for rule in REGION_RULES]
-        bar = _SolveProgress(bool(problem.options.get("progress", True)),
+        bar = SolveProgress(bool(problem.options.get("progress", True)),
                              len(runs) + int(exact_top is True), problem.time_limit)
         with watch_time_cuts() as cuts:
             try:
@@ -165,7 +164,7 @@ class HierarchicalSolver:
                       timed_out=bool(cuts) or time.perf_counter() > deadline)
 
     def _candidates(self, problem: Problem, runs: list[tuple[int, str, bool]], tops: list[int],
-                    exact_top: bool | str, deadline: float, bar: "_SolveProgress"
+                    exact_top: bool | str, deadline: float, bar: "SolveProgress"
                     ) -> list[SolveResult]:
         """Every hierarchy's schedules, and the exact ILP's where it is used, unpolished.
 
@@ -186,7 +185,7 @@ class HierarchicalSolver:
         schedules, so which one wins does not depend on timing.
         """
         found: list[SolveResult] = []
-        caches: dict = {}
+        caches = _Shared()
         cancel = threading.Event()
         later: list[concurrent.futures.Future] = []  # NOTE [ Block ILPs in the background ]
         pending: list[tuple[list[SolveResult], Callable[[], list[SolveResult]]]] = []
@@ -249,20 +248,20 @@ class HierarchicalSolver:
         return found
 
     def _hierarchical(self, problem: Problem, use_ilp: bool, deadline: float, regions: str,
-                      bar: "_SolveProgress | None" = None, *, top_ops: int | None = None,
+                      bar: "SolveProgress | None" = None, *, top_ops: int | None = None,
                       mid_ilp: bool = False, block_ilp: bool = True,
-                      caches: dict | None = None,
+                      caches: _Shared | None = None,
                       later: list | None = None) -> list[SolveResult]:
         """One hierarchy's schedules, unpolished: one per upper level that found one (the chain
         DP, the block ILP), else the lowest-peak schedule it saw. ``top_ops`` bounds the top
-        level's segments (default: the ``max_block_ops`` option); ``caches`` holds block options
-        shared with the solve's other hierarchies. With ``later`` (a list), the block ILP is not
+        level's segments (default: the ``max_block_ops`` option); ``caches`` is what the solve's
+        hierarchies share (block options; the hierarchies solved: a repeat returns none). With ``later`` (a list), the block ILP is not
         solved here: this returns the chain DP's schedules and appends them to ``later`` with a
         function that solves the block ILP and gives its schedules (NOTE [ Block ILPs in the
         background ])."""
         started = time.perf_counter()
         graph = problem.graph
-        bar = bar or _SolveProgress(False, 1, problem.time_limit)
+        bar = bar or SolveProgress(False, 1, problem.time_limit)
         ctx = _Context(use_ilp, problem, deadline, regions, mid_ilp=mid_ilp, bar=bar,
                        caches=caches)
         top_ops = top_ops or ctx.max_block_ops
@@ -273,16 +272,15 @@ class HierarchicalSolver:
         if caches is not None:
             # Both region rules often agree (a scan: every backward op reads its own segment's
             # values); the same hierarchy again would give the same schedules.
-            solved = caches.setdefault("hierarchies", set())
-            if (use_ilp, mid_ilp, block_ilp, chain) in solved:
+            if (use_ilp, mid_ilp, block_ilp, chain) in caches.hierarchies:
                 return []
-            solved.add((use_ilp, mid_ilp, block_ilp, chain))
+            caches.hierarchies.add((use_ilp, mid_ilp, block_ilp, chain))
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
-        table = solve_chain(_stages(chain, options), chain.cut_bytes[-1],
+        table = solve_chain(chain_stages(chain, options), chain.cut_bytes[-1],
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
                             slots=_SLOTS)
-        best, lowest = _search(graph, subs, options, table, problem.budget_bytes)
+        best, lowest = search_capacity(graph, subs, options, table, problem.budget_bytes)
         dag = (block_dag(graph, chain, subs, options)
                if use_ilp and block_ilp and problem.options.get("block_ilp", True)
                and len(subs) <= _DAG_MAX_BLOCKS
@@ -310,8 +308,6 @@ class HierarchicalSolver:
             chain_results = [finish(name, problem, best, started, proven=False,
                                     detail=detail + "chain DP")]
         else:
-            from ..schedule import save_all_schedule
-
             chain_results = [finish(name, problem, lowest or save_all_schedule(graph), started,
                                     proven=False,
                                     detail=detail + "chain DP; no schedule within the budget")]
@@ -350,12 +346,23 @@ def _fits(result: SolveResult) -> bool:
     return result.schedule is not None and result.status != "infeasible"
 
 
+@dataclasses.dataclass
+class _Shared:
+    """What the hierarchies of one solve share."""
+
+    # Block options by (use_ilp, mid_ilp), then by block signature (see _Context.cache).
+    options: dict[tuple[bool, bool], dict[str, BlockOptions]] = dataclasses.field(
+        default_factory=dict)
+    # The hierarchies solved so far: (use_ilp, mid_ilp, block_ilp, top-level chain).
+    hierarchies: set[tuple] = dataclasses.field(default_factory=set)
+
+
 class _Context:
     """Shared state of one hierarchical solve: the option cache keyed by block structure."""
 
     def __init__(self, use_ilp: bool, problem: Problem, deadline: float, regions: str = "reads",
-                 *, mid_ilp: bool = False, bar: "_SolveProgress | None" = None,
-                 caches: dict | None = None) -> None:
+                 *, mid_ilp: bool = False, bar: "SolveProgress | None" = None,
+                 caches: _Shared | None = None) -> None:
         opts = problem.options
         self.use_ilp = use_ilp
         self.mid_ilp = use_ilp and mid_ilp
@@ -369,9 +376,10 @@ class _Context:
         # both top levels, and its mid-block MIPs are most of a hierarchy's time (6-layer GPT:
         # 3.9 of 4.9 s), so it is solved once per solve, not once per hierarchy.
         key = (self.use_ilp, self.mid_ilp)
-        self.cache: dict[str, BlockOptions] = {} if caches is None else caches.setdefault(key, {})
+        self.cache: dict[str, BlockOptions] = ({} if caches is None
+                                               else caches.options.setdefault(key, {}))
         self.solved = self.reused = 0
-        self.bar = bar or _SolveProgress(False, 1, problem.time_limit)
+        self.bar = bar or SolveProgress(False, 1, problem.time_limit)
 
     def options_of(self, sub: RematGraph, depth: int) -> BlockOptions:
         sig = block_signature(sub)
@@ -417,10 +425,10 @@ class _Context:
         child = [self.options_of(p.graph, depth + 1) for p in parts]
         leaf = block_options(sub, use_ilp=False)  # keep-all / keep-nothing for reference
         ceiling = max(o.backward_peak for o in leaf.options) + max(o.forward_peak for o in leaf.options)
-        table = solve_chain(_stages(chain, child), chain.cut_bytes[-1], ceiling, slots=_INNER_SLOTS)
+        table = solve_chain(chain_stages(chain, child), chain.cut_bytes[-1], ceiling, slots=_INNER_SLOTS)
         candidates = list(leaf.options)
         seen: set[tuple] = set()
-        for slot in _grid(table):
+        for slot in capacity_grid(table):
             try:
                 schedule = assemble(sub, parts, child, table.actions(slot))
             except (ScheduleError, ValueError):
@@ -454,149 +462,6 @@ def _top_levels(graph: RematGraph, options: dict) -> list[int]:
     if len(cut) > _FINE_MAX_SEGMENTS or cut == chain_structure(graph, max_block_ops=coarse).segments:
         return [coarse]
     return [coarse, fine]
-
-
-def _grid(table: ChainTable, points: int = 16) -> list[int]:
-    """Capacities (slots) where the DP has a schedule, spread from the smallest to the largest."""
-    finite = [m for m in range(table.slots + 1) if table.best_time(m) < float("inf")]
-    if not finite:
-        return []
-    lo, hi = finite[0], finite[-1]
-    return sorted({lo + round(k * (hi - lo) / (points - 1)) for k in range(points)})
-
-
-def _stages(chain: Chain, options: list[BlockOptions]) -> list[Stage]:
-    return [
-        Stage(
-            input_bytes=chain.cut_bytes[k],
-            grad_bytes=chain.grad_bytes[k],
-            nosave_time=opts.nosave_time,
-            nosave_peak=opts.nosave_peak,
-            options=tuple(StageOption(o.saved_bytes, o.forward_peak, o.backward_peak,
-                                      opts.forward_time, o.backward_time) for o in opts.options),
-        )
-        for k, opts in enumerate(options)
-    ]
-
-
-def _search(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
-            table: ChainTable, budget: int) -> tuple[Schedule | None, Schedule | None]:
-    """Largest DP capacity whose schedule simulates within ``budget`` (binary search), keeping
-    the fastest feasible schedule and the lowest-peak one seen."""
-    cache: dict[int, tuple[Schedule, Simulation] | None] = {}
-
-    def at(slot: int) -> tuple[Schedule, Simulation] | None:
-        if slot not in cache:
-            cache[slot] = None
-            if table.best_time(slot) < float("inf"):
-                try:
-                    schedule = assemble(graph, subs, options, table.actions(slot))
-                    cache[slot] = (schedule, simulate(graph, schedule))
-                except ScheduleError as exc:
-                    log.debug("capacity slot %d gives an invalid schedule: %s", slot, exc)
-        return cache[slot]
-
-    finite = [m for m in range(table.slots + 1) if table.best_time(m) < float("inf")]
-    if finite:
-        lo, hi = finite[0], finite[-1]
-        if (found := at(hi)) is not None and found[1].peak_bytes <= budget:
-            lo = hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            found = at(mid)
-            if found is not None and found[1].peak_bytes <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        for slot in (lo - 2, lo - 1, lo, lo + 1):  # the boundary is not always monotone
-            if 0 <= slot <= table.slots:
-                at(slot)
-        # ... and the DP's model is only approximate: more capacities, as many as the graph's
-        # size allows (each is one simulation of the whole graph; 24 up to ~4,000 ops).
-        for slot in _grid(table, points=max(8, min(24, 100_000 // max(1, len(graph.ops))))):
-            at(slot)
-    done = [item for item in cache.values() if item]
-    feasible = [item for item in done if item[1].peak_bytes <= budget]
-    lowest = min(done, key=lambda it: it[1].peak_bytes, default=None)
-    best = min(feasible, key=lambda it: it[1].time, default=None)
-    return (best[0] if best else None), (lowest[0] if lowest else None)
-
-
-def assemble(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
-             actions: list[tuple], *, backward_only: bool = False) -> Schedule:
-    """Turn block actions into one schedule of ``graph`` (see NOTE [ Hierarchical solving ]).
-
-    ``actions`` are the DP's (the first forward, then backward from the first ``"B"``), or,
-    with ``backward_only``, only what runs in backward (the block ILP's).
-    """
-    first_backward = 0 if backward_only else next(k for k, a in enumerate(actions) if a[0] == "B")
-    backward: list[int] = []
-    for action in actions[first_backward:]:
-        sub, opts = subs[action[1]], options[action[1]]
-        if action[0] == "B":
-            backward.extend(sub.to_global_ops(opts.options[action[2]].backward))
-            continue
-        local = opts.nosave_forward if action[0] == "F0" else opts.options[action[2]].forward
-        backward.extend(sub.ops[i] for i in local if sub.graph.ops[i].recomputable)
-    nf = graph.num_forward
-    saved: set[int] = set()
-    produced: set[int] = set()
-    for i in backward:
-        for v in graph.ops[i].inputs:
-            if v not in produced and 0 <= graph.values[v].producer < nf:
-                saved.add(v)
-        produced.update(graph.ops[i].outputs)
-    saved -= set(graph.user_outputs)
-    frozen = frozenset(saved)
-    draft = Schedule(forward_ops_needed(graph, frozen), frozen, tuple(backward))
-    return tidy(graph, remake_views(graph, draft))
-
-
-class _SolveProgress:
-    """One progress bar per solve (tqdm, if installed; it appears after 3 s): its steps are the
-    solve's phases, each labelled, with the blocks solved so far; the description gives the time
-    limit that caps the whole solve, whatever tqdm's estimate from the phases done says."""
-
-    def __init__(self, enabled: bool, phases: int, time_limit: float) -> None:
-        self._bar = None
-        self._done = -1
-        self._blocks = 0
-        self._label = ""
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            return
-        self._bar = tqdm(total=phases, desc=f"remat: solving (at most {time_limit:g} s)",
-                         unit="phase", leave=False, delay=3.0)
-
-    def phase(self, label: str) -> None:
-        """Start the next phase (the previous one is done)."""
-        self._done += 1
-        self._label = label
-        if self._bar is not None:
-            if self._done:
-                self._bar.update(1)
-            self._show()
-
-    def add_phase(self) -> None:
-        """One more phase than the bar was started with."""
-        if self._bar is not None:
-            self._bar.total += 1
-
-    def block(self) -> None:
-        """One more distinct block solved in this solve."""
-        self._blocks += 1
-        if self._bar is not None:
-            self._show()
-
-    def _show(self) -> None:
-        self._bar.set_postfix_str(f"{self._label}; {self._blocks} blocks solved", refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 class DPSolver(HierarchicalSolver):

@@ -217,7 +217,6 @@ class _Model:
         self.save_budget = save_budget
         live = liveness(graph)
         values, ops = graph.values, graph.ops
-        nf = graph.num_forward
         bwd = list(graph.backward_ops)
         self.anchor = anchor = anchors(graph)
 

@@ -184,8 +184,8 @@ def test_a_hierarchy_both_region_rules_agree_on_is_solved_once(monkeypatch):
     assert chain_structure(graph, max_block_ops=1, regions="reads") == \
         chain_structure(graph, max_block_ops=1, regions="module")
     searched = []
-    real = hierarchical._search
-    monkeypatch.setattr(hierarchical, "_search",
+    real = hierarchical.search_capacity
+    monkeypatch.setattr(hierarchical, "search_capacity",
                         lambda *args: searched.append(True) or real(*args))
     problem = Problem(graph, int(0.6 * baseline(graph)),
                       options={"progress": False, "max_block_ops": 1})
