@@ -27,6 +27,7 @@ import gc
 import statistics
 import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -135,8 +136,10 @@ def with_block_checkpoints(model: nn.Module) -> nn.Module:
 
 def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_grads: list | None,
             steps: int, note: str = "", device: str = "cpu") -> tuple[Row, list]:
+    """One method's measured peak and gradients (after a warm-up step that compiles or solves),
+    and the median time of ``steps`` more steps (``nan`` for ``steps=0``: time it beside the
+    others with :func:`alternate_steps`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for p in params:
         p.grad = None
     run().backward()  # warm-up (compiles / solves)
@@ -147,19 +150,52 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
     with remat.track_memory(device) as mem:
         run().backward()
     grads = [p.grad.detach().clone() for p in params]
-    times = []
-    for _ in range(steps):
-        for p in params:
-            p.grad = None
-        sync()
-        start = time.perf_counter()
-        run().backward()
-        sync()
-        times.append(time.perf_counter() - start)
+    step_s = alternate_steps([(model, run)], steps, device)[0] if steps > 0 else float("nan")
     diff = 0.0
     if ref_grads is not None:
         diff = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
-    return Row(name, mem.peak_bytes, statistics.median(times), diff, note), grads
+    return Row(name, mem.peak_bytes, step_s, diff, note), grads
+
+
+def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], steps: int,
+                    device: str = "cpu") -> list[float]:
+    """Median seconds of a training step of each ``(model, run)``, the models taking turns
+    step by step so that all see the same machine load.
+
+    Timed one after the other, the same 24-layer GPT's eager step measured 2x slower than its
+    checkpointed one (the load had changed between them). The garbage collector is off while
+    timing (as in ``timeit``): after a capture the heap holds millions of tracing objects, and a
+    full collection landing in one step added ~0.2 s to a few-millisecond step.
+    """
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times: list[list[float]] = [[] for _ in runs]
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(steps):
+            for k, (model, run) in enumerate(runs):
+                for p in model.parameters():
+                    p.grad = None
+                sync()
+                start = time.perf_counter()
+                run().backward()
+                sync()
+                times[k].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return [statistics.median(t) for t in times]
+
+
+def own_frame(label: str):
+    """``lambda model, *args: model(*args)`` with a code object of its own, so that each
+    ``torch.compile`` contender keeps its own dynamo cache (compiled with its own budget)
+    without ``torch._dynamo.reset()``, which would drop the other contenders' graphs before
+    they are timed (see NOTE [ Owning the compiled frames ] in remat/module.py)."""
+    def call(model, *args):
+        return model(*args)
+
+    code = call.__code__.replace(co_name=f"_compare_{label}")
+    return types.FunctionType(code, call.__globals__, code.co_name)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -196,28 +232,30 @@ def main(argv: list[str] | None = None) -> list[Row]:
     model, batch, loss_of, blocks = build(args)
     model.to(args.device)
     torch.manual_seed(1)
-    rows: list[Row] = []
     dev = args.device
-    eager_row, ref = measure("eager", model, lambda: loss_of(model(*batch)), None, args.steps,
-                             device=dev)
-    rows.append(eager_row)
+    eager_row, ref = measure("eager", model, lambda: loss_of(model(*batch)), None, 0, device=dev)
+    # Every method is built and checked first, then all are timed taking turns.
+    contenders: list[tuple[Row, nn.Module, Callable[[], torch.Tensor]]] = [
+        (eager_row, model, lambda: loss_of(model(*batch)))]
+
+    def add(name, module, run, note=""):
+        row, _ = measure(name, module, run, ref, 0, note, device=dev)
+        contenders.append((row, module, run))
+        return row
 
     ck = with_block_checkpoints(model)
-    row, _ = measure(f"checkpoint({len(blocks)} blocks)", ck,
-                     lambda: loss_of(ck(*batch)), ref, args.steps, device=dev)
-    rows.append(row)
-
+    add(f"checkpoint({len(blocks)} blocks)", ck, lambda: loss_of(ck(*batch)))
     for b in args.budgets:
         frac = b / 100.0
         if not args.skip_amb:
-            torch._dynamo.reset()
-            m = copy.deepcopy(model)
-            with torch._functorch.config.patch(activation_memory_budget=frac):
-                cm = torch.compile(m, backend="aot_eager", dynamic=False)
-                row, _ = measure(f"torch.compile(budget={frac:g})", m, lambda: loss_of(cm(*batch)),
-                                 ref, args.steps, device=dev)
-            rows.append(row)
-        torch._dynamo.reset()
+            m, frame = copy.deepcopy(model), own_frame(f"budget_{b:g}")
+            cm = torch.compile(frame, backend="aot_eager", dynamic=False)
+
+            def run(m=m, cm=cm, frac=frac):
+                with torch._functorch.config.patch(activation_memory_budget=frac):
+                    return loss_of(cm(m, *batch))
+
+            add(f"torch.compile(budget={frac:g})", m, run)
         m = copy.deepcopy(model)
         try:
             # The loss is outside the module: the budget is of the whole eager step measured
@@ -225,7 +263,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rm = remat.rematerialize(m, *batch, budget=f"{b:g}%", solver=args.solver,
                                      time_limit=args.time_limit, step_peak_bytes=eager_row.peak)
         except remat.RematError as e:
-            rows.append(Row(f"remat({b:g}%)", 0, float("nan"), float("nan"), f"error: {e}"[:90]))
+            contenders.append((Row(f"remat({b:g}%)", 0, float("nan"), float("nan"),
+                                   f"error: {e}"[:90]), None, None))
             continue
         plan = rm.plan
         status = {"optimal": "proven optimal", "feasible": "fits, not proven optimal",
@@ -234,17 +273,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 f"{plan.baseline_bytes / max(plan.eager_bytes, 1):.3f}), predicted time "
                 f"+{100 * plan.predicted_overhead:.0f}%, solved in {plan.solve_time_s:.1f} s "
                 f"({status.get(plan.status, plan.status)})")
-        row, _ = measure(f"remat({b:g}%)", m, lambda: loss_of(rm(*batch)), ref, args.steps, note,
-                         device=dev)
+        row = add(f"remat({b:g}%)", m, lambda rm=rm: loss_of(rm(*batch)), note)
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
-        rows.append(row)
+    timed = [(row, module, run) for row, module, run in contenders if run is not None]
+    medians = alternate_steps([(module, run) for _, module, run in timed], args.steps, dev)
+    for (row, _, _), step_s in zip(timed, medians):
+        row.step_s = step_s
+    rows = [row for row, _, _ in contenders]
 
     size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
              else f"threads={torch.get_num_threads()}")
     print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
           f"torch={torch.__version__} {args.device} {where} "
-          f"(median of {args.steps} steps)")
+          f"(median of {args.steps} steps, methods taking turns)")
     print(report(rows, eager_row, dropout=args.dropout if args.model == "gpt" else 0.0))
     return rows
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import statistics
 import sys
 import textwrap
 import time
@@ -42,7 +41,7 @@ import remat
 from remat.schedule import save_all_schedule, simulate
 from remat.solvers import Problem, get_solver
 from benchmarks.models import GPT, MLP, GPTConfig, Mamba, UNet, ViT, gpt_batch, image_batch
-from benchmarks.remat_compare import LabelledLM, measure
+from benchmarks.remat_compare import LabelledLM, own_frame, alternate_steps, measure
 
 
 class Supervised(nn.Module):
@@ -177,42 +176,18 @@ class ScaleRow:
     overhead: float = math.nan  # predicted
     measured_peak: float = math.nan  # of eager's, measured in this run
     measured_overhead: float = math.nan  # median step time over eager's, minus 1
+    runtime: float = math.nan  # the unmodified compiled step's over eager's, minus 1
+    recompute: float = math.nan  # the rematerialized step's over the unmodified compiled one's
     note: str = ""
-
-
-def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], steps: int
-                    ) -> list[float]:
-    """Median seconds of a training step of each ``(model, run)``, the models taking turns
-    step by step so that both see the same machine load.
-
-    The garbage collector is off while timing (as in ``timeit``): after a capture the heap holds
-    millions of tracing objects, and a full collection landing in one step added ~0.2 s to a
-    few-millisecond step of the quick Mamba model.
-    """
-    times: list[list[float]] = [[] for _ in runs]
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(steps):
-            for k, (model, run) in enumerate(runs):
-                for p in model.parameters():
-                    p.grad = None
-                start = time.perf_counter()
-                run().backward()
-                times[k].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
-    return [statistics.median(t) for t in times]
 
 
 def scale_model(name: str, args: argparse.Namespace) -> list[ScaleRow]:
     """Rematerialize model ``name`` with every solver at ``args.budget``; measure each."""
     model, batch = _build(name, args.quick)
-    eager = ref = None
+    eager = ref = compiled = None
     rows = []
     for solver in args.solvers:
         solver_name, options = VARIANTS.get(solver, (solver, {}))
-        torch._dynamo.reset()
         start = time.perf_counter()
         try:
             rm = remat.rematerialize(model, *batch, budget=args.budget, solver=solver_name,
@@ -229,12 +204,19 @@ def scale_model(name: str, args: argparse.Namespace) -> list[ScaleRow]:
                        note=_fallback(plan.detail))
         if args.measure_steps > 0:
             if eager is None:
-                eager, ref = measure("eager", model, lambda: model(*batch), None, 1)
-            remat_row, _ = measure(solver, rm, lambda: rm(*batch), ref, 1)
-            eager_s, remat_s = alternate_steps([(model, lambda: model(*batch)),
-                                                (rm, lambda: rm(*batch))], args.measure_steps)
+                eager, ref = measure("eager", model, lambda: model(*batch), None, 0)
+                # The unmodified step through AOTAutograd, as remat runs its schedules: what
+                # running a captured graph costs before any recomputation.
+                compiled = torch.compile(own_frame("unmodified"), backend="aot_eager")
+                measure("compiled", model, lambda: compiled(model, *batch), ref, 0)
+            remat_row, _ = measure(solver, rm, lambda: rm(*batch), ref, 0)
+            eager_s, compiled_s, remat_s = alternate_steps(
+                [(model, lambda: model(*batch)), (model, lambda: compiled(model, *batch)),
+                 (rm, lambda: rm(*batch))], args.measure_steps)
             row.measured_peak = remat_row.peak / max(eager.peak, 1)
             row.measured_overhead = remat_s / eager_s - 1
+            row.runtime = compiled_s / eager_s - 1
+            row.recompute = remat_s / compiled_s - 1
             if remat_row.grad_diff > 0:
                 row.note = "; ".join(filter(None, [row.note, "gradients differ from eager's by "
                                                    f"up to {remat_row.grad_diff:.1e}"]))
@@ -262,13 +244,15 @@ def scale_report(rows: list[ScaleRow], *, budget: float, steps: int) -> str:
     """The ``scale`` table, then a legend that defines each column."""
     lines = [f"{'model':<11}{'ops':>7}{'capture s':>11}{'solver':>14}{'solve s':>9}"
              f"{'status':>13}{'pred peak':>11}{'pred ovh':>10}{'meas peak':>11}{'meas ovh':>10}"
-             "  notes"]
+             f"{'runtime':>9}{'recompute':>11}  notes"]
     for r in rows:
         lines.append(f"{r.model:<11}{r.ops or '-':>7}{_num(r.capture_s, '.1f', 11)}"
                      f"{r.solver:>14}{_num(r.solve_s, '.2f', 9)}{r.status:>13}"
                      f"{_num(r.peak, '.3f', 11)}{_num(100 * r.overhead, '+.1f', 10, '%')}"
                      f"{_num(r.measured_peak, '.3f', 11)}"
                      f"{_num(100 * r.measured_overhead, '+.1f', 10, '%')}"
+                     f"{_num(100 * r.runtime, '+.1f', 9, '%')}"
+                     f"{_num(100 * r.recompute, '+.1f', 11, '%')}"
                      f"  {r.note}")
     lines += ["", *_legend(
         f"Each row: remat.rematerialize(model, *batch, budget={budget:g}, solver=...) on one "
@@ -285,14 +269,22 @@ def scale_report(rows: list[ScaleRow], *, budget: float, steps: int) -> str:
                        "schedule (no-capture, infeasible, solver-error; the reason in notes)"),
             ("pred peak", "simulated peak of the schedule over the eager step's measured peak "
                           "(at most the budget)"),
-            ("pred ovh", "simulated extra step time over the captured, unmodified step's"),
+            ("pred ovh", "simulated extra step time over the captured, unmodified step's (the "
+                         "sum of its ops' profiled times): what 'recompute' measures"),
             ("meas peak", "the rematerialized step's measured peak over eager PyTorch's "
                           "(remat.track_memory: the CPU allocator's events, or the CUDA "
                           "allocator)"),
-            ("meas ovh", f"its median step time over eager's, minus one: the two take turns for "
-                         f"{steps} steps in this run, the garbage collector off ('-': not "
-                         "measured, --measure-steps 0); on a model of many tiny ops this "
-                         "includes the compiled step's fixed cost per call"),
+            ("meas ovh", f"its median step time over eager's, minus one: eager, the compiled "
+                         f"unmodified step and remat take turns for {steps} steps in this run, "
+                         "the garbage collector off ('-': not measured, --measure-steps 0); "
+                         "it is (1 + runtime) x (1 + recompute) - 1"),
+            ("runtime", "the unmodified step compiled by torch.compile(backend='aot_eager') "
+                        "over eager's, minus one: what running a captured graph costs before "
+                        "any recomputation (AOTAutograd's backward calls each op from Python "
+                        "where eager's autograd runs in C++: tens of percent on a model of "
+                        "thousands of tiny ops, about nothing on large ones)"),
+            ("recompute", "the rematerialized step over that compiled step, minus one: the "
+                          "measured cost of recomputation, which 'pred ovh' predicts"),
             ("notes", "why a row has no schedule; the schedule rematerialize ran instead of "
                       "the solver's, and why; how far the gradients are from eager's, if they "
                       "differ"),

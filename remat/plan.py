@@ -21,7 +21,12 @@ class Plan:
         budget_bytes: The budget in bytes.
         predicted_peak_bytes: Simulated peak of the chosen schedule.
         predicted_overhead: Extra compute as a fraction of the unmodified step's time
-            (``0.12`` = 12% more time).
+            (``0.12`` = 12% more time): the recomputed ops' profiled times over the captured
+            graph's. It prices recomputation only; running a captured graph through
+            AOTAutograd (as remat and ``torch.compile`` do) can itself differ from eager: on
+            thousands of tiny ops its backward, which calls each op from Python, was 45% slower
+            than eager's (a Mamba-style scan), on a GPT within noise
+            (``python -m benchmarks.remat_solvers scale``, columns ``runtime``/``recompute``).
         solver: Solver name.
         status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``; ``"over_budget"`` for a later
             input shape that could not fit (its lowest-peak schedule runs, with a warning).
@@ -86,7 +91,8 @@ class Plan:
                                   if self.eager_bytes else
                                   f"({100 * self.predicted_ratio:.1f}% of baseline)")),
             ("lowest possible peak", format_bytes(self.lower_bound_bytes)),
-            ("predicted overhead", f"+{100 * self.predicted_overhead:.1f}% step time"),
+            ("predicted overhead", f"+{100 * self.predicted_overhead:.1f}% step time "
+                                   "(recomputation)"),
             ("saved for backward", format_bytes(self.saved_bytes)),
             ("ops / recomputed", f"{self.num_ops} / {self.num_recomputed}"),
             ("solve time", f"{self.solve_time_s:.2f} s"),

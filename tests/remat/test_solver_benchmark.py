@@ -20,7 +20,7 @@ PEAK_TOLERANCE = 1.02
 # The README's promise: the measured peak is within 5% of the simulator's prediction.
 MEASURED_PEAK_TOLERANCE = 0.05
 SCALE_COLUMNS = ["model", "ops", "capture s", "solver", "solve s", "status", "pred peak",
-                 "pred ovh", "meas peak", "meas ovh", "notes"]
+                 "pred ovh", "meas peak", "meas ovh", "runtime", "recompute", "notes"]
 QUALITY_COLUMNS = ["graph", "ops", "budget", "solver", "status", "solve s", "peak", "overhead",
                    "vs ilp"]
 SOLVED = ("optimal", "feasible", "time_limit")
@@ -81,8 +81,13 @@ def test_scale_predictions_and_measurements(scale_text):
         assert 0 < predicted <= BUDGET * PEAK_TOLERANCE, r
         assert math.isfinite(overhead) and overhead >= 0, r
         assert abs(measured_peak / predicted - 1) <= MEASURED_PEAK_TOLERANCE, r
-        # The step-time ratio to eager (1 + overhead) is a positive finite number.
-        assert math.isfinite(measured_overhead) and 1 + measured_overhead / 100 > 0, r
+        # The step-time ratio to eager (1 + overhead) is a positive finite number, the product
+        # of the compiled step's over eager's and the rematerialized step's over that one.
+        runtime, recompute = number(r[10]), number(r[11])
+        for ratio in (measured_overhead, runtime, recompute):
+            assert math.isfinite(ratio) and 1 + ratio / 100 > 0, r
+        product = (1 + runtime / 100) * (1 + recompute / 100)
+        assert product == pytest.approx(1 + measured_overhead / 100, abs=0.002), r
 
 
 def test_scale_legend_defines_every_column(scale_text):
