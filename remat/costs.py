@@ -2,7 +2,8 @@
 
 NOTE [ Measuring op times ]
 We run the joint graph node by node on the real inputs (an FX interpreter), time each node and
-take the median over a few repeats (the first run warms caches and is discarded). Values are
+take the median over a few repeats (the first run warms caches and is discarded), pooled over
+every op that does the same work (NOTE [ Ops that do the same work cost the same ]). Values are
 freed after their last use so profiling needs no more memory than the unmodified step. The run
 happens inside ``torch.random.fork_rng`` and under ``no_grad``, never writes to an input, and
 returns nothing, so it changes no user state (parameters, buffers, RNG streams).
@@ -52,7 +53,9 @@ def measure_op_times(
         lowered: The lowered joint graph.
         joint: The joint graph module.
         primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
-        repeats: Timed runs; the median is kept. A first, untimed run under the memory profiler
+        repeats: Timed runs; the median is kept, over the samples of every op doing the same
+            work (NOTE [ Ops that do the same work cost the same ]). A first, untimed run under
+            the memory profiler
             warms caches and measures each op's workspace (bytes it allocates beyond its
             outputs, freed before it returns: see NOTE [ Measuring memory on CPU ]).
 
@@ -73,6 +76,7 @@ def measure_op_times(
             last_use[arg] = index
     op_index = {node: i for i, node in enumerate(lowered.op_nodes)}
     samples: list[list[float]] = [[] for _ in lowered.op_nodes]
+    keys: list[object] = [None] * len(lowered.op_nodes)
     workspaces = [0] * len(lowered.op_nodes)
 
     def run_graph(on_node) -> None:
@@ -115,8 +119,57 @@ def measure_op_times(
         # On CUDA kernels are asynchronous: CUDA events instead of the wall clock.
         timed = _wall_timer(op_index, samples) if cuda is None else _cuda_timer(op_index, samples)
         for _ in range(repeats):
-            run_graph(timed)
-    return [statistics.median(s) if s else 0.0 for s in samples], workspaces
+            run_graph(_keying(op_index, keys, timed))
+    return _pooled_medians(samples, keys), workspaces
+
+
+# NOTE [ Ops that do the same work cost the same ]
+# On a shared machine one op's few samples vary by tens of percent (a 6-layer GPT's ops summed
+# to 210 ms in one capture and 296 ms in the next), so identical layers got different prices,
+# and two captures of one model gave two plans (24-layer GPT at 33%: 547 or 723 ops
+# recomputed, +11.5% / +11.3% predicted). An op's time is a function of what it computes: its
+# target, its arguments' shapes, strides and dtypes, and its constants. So ops with the same
+# such key share one price, the median of all their samples: 72 samples for each op of a
+# 24-layer GPT's layers instead of 3, the same price for every layer, and the same answer to
+# "recompute this op here or in the next layer". Strides are part of the key (a matmul reading
+# a transposed operand is another kernel); an argument of any other type makes the op its own.
+
+
+def _work_key(target: object, args: tuple, kwargs: dict) -> object:
+    """What an op's time depends on (NOTE [ Ops that do the same work cost the same ])."""
+    def describe(a: object) -> object:
+        if isinstance(a, torch.Tensor):
+            return ("T", tuple(a.shape), a.stride(), a.dtype, a.device.type)
+        if isinstance(a, (list, tuple)):
+            return tuple(describe(x) for x in a)
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device,
+                                       torch.layout, torch.memory_format)):
+            return a
+        return ("object", id(a))  # unknown: never pooled with another op
+
+    return (target, describe(args), tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
+
+
+def _keying(op_index: dict, keys: list[object], timed):
+    """``timed``, first noting each op's work key from its real arguments."""
+
+    def run(node, args, kwargs):
+        k = op_index.get(node)
+        if k is not None and keys[k] is None:
+            keys[k] = _work_key(node.target, args, kwargs)
+        return timed(node, args, kwargs)
+
+    return run
+
+
+def _pooled_medians(samples: list[list[float]], keys: list[object]) -> list[float]:
+    """Per op, the median of the samples of every op with its work key."""
+    groups: dict[object, list[float]] = {}
+    for k, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).extend(samples[k])
+    return [statistics.median(groups[key] if key is not None else s) if s else 0.0
+            for s, key in zip(samples, keys)]
 
 
 def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:
