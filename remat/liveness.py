@@ -53,7 +53,6 @@ def liveness(graph: RematGraph) -> Liveness:
 
     # Backward side: storages born in backward (or tangents) and their last backward reader.
     bwd = list(graph.backward_ops)
-    position = {b: k for k, b in enumerate(bwd)}
     end = len(bwd)
     death: dict[int, int] = {}
     birth: dict[int, int] = {}

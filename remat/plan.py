@@ -25,7 +25,7 @@ class Plan:
             graph's. It prices recomputation only; running a captured graph through
             AOTAutograd (as remat and ``torch.compile`` do) can itself differ from eager: on
             thousands of tiny ops its backward, which calls each op from Python, was 45% slower
-            than eager's (a Mamba-style scan), on a GPT within noise
+            than eager's (a Mamba-style scan), on GPTs from 12% faster to 3% slower
             (``python -m benchmarks.remat_solvers scale``, columns ``runtime``/``recompute``).
         solver: Solver name.
         status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``; ``"over_budget"`` for a later
