@@ -27,7 +27,6 @@ import gc
 import statistics
 import sys
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +35,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
 import remat
+from remat.module import _own_step  # a frame of its own: NOTE [ Owning the compiled frames ]
 from benchmarks.models import GPT, GPTConfig, ResNet, UNet, gpt_batch, image_batch
 
 
@@ -186,18 +186,6 @@ def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], st
     return [statistics.median(t) for t in times]
 
 
-def own_frame(label: str):
-    """``lambda model, *args: model(*args)`` with a code object of its own, so that each
-    ``torch.compile`` contender keeps its own dynamo cache (compiled with its own budget)
-    without ``torch._dynamo.reset()``, which would drop the other contenders' graphs before
-    they are timed (see NOTE [ Owning the compiled frames ] in remat/module.py)."""
-    def call(model, *args):
-        return model(*args)
-
-    code = call.__code__.replace(co_name=f"_compare_{label}")
-    return types.FunctionType(code, call.__globals__, code.co_name)
-
-
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["gpt", "resnet", "unet", "hf-gpt2", "hf-llama"],
@@ -248,12 +236,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for b in args.budgets:
         frac = b / 100.0
         if not args.skip_amb:
-            m, frame = copy.deepcopy(model), own_frame(f"budget_{b:g}")
-            cm = torch.compile(frame, backend="aot_eager", dynamic=False)
+            # Each contender compiles a frame of its own, keeping its graphs (compiled with its
+            # budget) without torch._dynamo.reset(), which would drop the others' before timing.
+            m = copy.deepcopy(model)
+            cm = torch.compile(_own_step(f"compare_budget_{b:g}"), backend="aot_eager",
+                               dynamic=False)
 
             def run(m=m, cm=cm, frac=frac):
                 with torch._functorch.config.patch(activation_memory_budget=frac):
-                    return loss_of(cm(m, *batch))
+                    return loss_of(cm(m, batch, {}))
 
             add(f"torch.compile(budget={frac:g})", m, run)
         m = copy.deepcopy(model)

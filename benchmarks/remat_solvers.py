@@ -41,7 +41,8 @@ import remat
 from remat.schedule import save_all_schedule, simulate
 from remat.solvers import Problem, get_solver
 from benchmarks.models import GPT, MLP, GPTConfig, Mamba, UNet, ViT, gpt_batch, image_batch
-from benchmarks.remat_compare import LabelledLM, own_frame, alternate_steps, measure
+from remat.module import _own_step
+from benchmarks.remat_compare import LabelledLM, alternate_steps, measure
 
 
 class Supervised(nn.Module):
@@ -207,11 +208,11 @@ def scale_model(name: str, args: argparse.Namespace) -> list[ScaleRow]:
                 eager, ref = measure("eager", model, lambda: model(*batch), None, 0)
                 # The unmodified step through AOTAutograd, as remat runs its schedules: what
                 # running a captured graph costs before any recomputation.
-                compiled = torch.compile(own_frame("unmodified"), backend="aot_eager")
-                measure("compiled", model, lambda: compiled(model, *batch), ref, 0)
+                compiled = torch.compile(_own_step("unmodified"), backend="aot_eager")
+                measure("compiled", model, lambda: compiled(model, batch, {}), ref, 0)
             remat_row, _ = measure(solver, rm, lambda: rm(*batch), ref, 0)
             eager_s, compiled_s, remat_s = alternate_steps(
-                [(model, lambda: model(*batch)), (model, lambda: compiled(model, *batch)),
+                [(model, lambda: model(*batch)), (model, lambda: compiled(model, batch, {})),
                  (rm, lambda: rm(*batch))], args.measure_steps)
             row.measured_peak = remat_row.peak / max(eager.peak, 1)
             row.measured_overhead = remat_s / eager_s - 1

@@ -55,9 +55,9 @@ def measure_op_times(
         primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
         repeats: Timed runs; the median is kept, over the samples of every op doing the same
             work (NOTE [ Ops that do the same work cost the same ]). A first, untimed run under
-            the memory profiler
-            warms caches and measures each op's workspace (bytes it allocates beyond its
-            outputs, freed before it returns: see NOTE [ Measuring memory on CPU ]).
+            the memory profiler warms caches and measures each op's workspace (bytes it
+            allocates beyond its outputs, freed before it returns: see NOTE [ Measuring memory
+            on CPU ]).
 
     Returns:
         ``(seconds per op, workspace bytes per op)``, indexed like ``lowered.graph.ops``.

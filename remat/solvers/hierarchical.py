@@ -143,7 +143,7 @@ class HierarchicalSolver:
             # DP model is sometimes the more accurate one at very low budgets.
             runs += [(tops[0], rule, False) for rule in REGION_RULES]
         bar = SolveProgress(bool(problem.options.get("progress", True)),
-                             len(runs) + int(exact_top is True), problem.time_limit)
+                            len(runs) + int(exact_top is True), problem.time_limit)
         with watch_time_cuts() as cuts:
             try:
                 found = self._candidates(problem, runs, tops, exact_top, deadline, bar)
@@ -258,10 +258,10 @@ class HierarchicalSolver:
         """One hierarchy's schedules, unpolished: one per upper level that found one (the chain
         DP, the block ILP), else the lowest-peak schedule it saw. ``top_ops`` bounds the top
         level's segments (default: the ``max_block_ops`` option); ``caches`` is what the solve's
-        hierarchies share (block options; the hierarchies solved: a repeat returns none). With ``later`` (a list), the block ILP is not
-        solved here: this returns the chain DP's schedules and appends them to ``later`` with a
-        function that solves the block ILP and gives its schedules (NOTE [ Block ILPs in the
-        background ])."""
+        hierarchies share (block options; the hierarchies solved: a repeat returns none). With
+        ``later`` (a list), the block ILP is not solved here: this returns the chain DP's
+        schedules and appends them to ``later`` with a function that solves the block ILP and
+        gives its schedules (NOTE [ Block ILPs in the background ])."""
         started = time.perf_counter()
         graph = problem.graph
         bar = bar or SolveProgress(False, 1, problem.time_limit)
@@ -453,7 +453,7 @@ class _Context:
 def _finalists(feasible: list[SolveResult], graph: RematGraph) -> list[SolveResult]:
     """The schedules to polish, from the fitting ones sorted by time (NOTE [ Polishing the
     finalists ])."""
-    cheap = len(graph.ops) * _POLISH_TRIALS <= _POLISH_OPS
+    cheap = _polish_trials(graph) == _POLISH_TRIALS  # not cut by _POLISH_OPS
     window, count = ((_POLISH_CHEAP_RUNNER_UP, _POLISH_CHEAP_FINALISTS) if cheap
                      else (_POLISH_RUNNER_UP, 2))
     finalists = [feasible[0]]

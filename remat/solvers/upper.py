@@ -45,7 +45,7 @@ def chain_stages(chain: Chain, options: list[BlockOptions]) -> list[Stage]:
 
 
 def search_capacity(graph: RematGraph, subs: list[Subgraph], options: list[BlockOptions],
-            table: ChainTable, budget: int) -> tuple[Schedule | None, Schedule | None]:
+                    table: ChainTable, budget: int) -> tuple[Schedule | None, Schedule | None]:
     """Largest DP capacity whose schedule simulates within ``budget`` (binary search), keeping
     the fastest feasible schedule and the lowest-peak one seen."""
     cache: dict[int, tuple[Schedule, Simulation] | None] = {}

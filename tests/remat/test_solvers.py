@@ -547,13 +547,10 @@ def test_cheap_polishes_reach_past_the_best_raw_schedule():
     only the best and a runner-up within 1% were polished, so the hierarchical solver returned
     3x the step time its own "dp" solver finds. On small graphs the schedules within 10% of the
     best are polished too."""
-    import torch
-
     from benchmarks.remat_solvers import _build, capture
 
     model, batch = _build("mamba", True)
     graph, _ = capture(model, *batch)
-    torch._dynamo.reset()
     problem = Problem(graph, int(0.5 * baseline(graph)), options={"progress": False})
     hier = get_solver("hierarchical").solve(problem)
     dp = get_solver("dp").solve(problem)
