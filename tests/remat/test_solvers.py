@@ -100,6 +100,34 @@ def test_polish_spends_unused_memory_on_keeping_recomputed_values():
     assert polish(graph, start, 1)[0] == start
 
 
+def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
+    """NOTE [ The gap that matters ]: the MIP may stop within 0.5% of the graph's step time (the
+    objective counts microseconds of recomputation), and what it returns is that close to the
+    optimum the same MIP finds with no absolute gap."""
+    import remat.solvers.ilp as ilp
+
+    graph = chain([1.0 + (k % 3) for k in range(10)], act=A, grad=D, per_layer=2)
+    problem = Problem(graph, int(0.75 * baseline(graph)))
+    gaps: list[float | None] = []
+    real = ilp.make_mip_solver
+
+    def spy(time_limit, *, gap_abs=None, **kwargs):
+        gaps.append(gap_abs)
+        return real(time_limit, gap_abs=gap_abs, **kwargs)
+
+    monkeypatch.setattr(ilp, "make_mip_solver", spy)
+    with_gap = get_solver("ilp").solve(problem)
+    step = sum(op.time for op in graph.ops)
+    assert gaps == [pytest.approx(1e6 * ilp.MIP_STEP_GAP * step)]
+    monkeypatch.setattr(ilp, "make_mip_solver",
+                        lambda time_limit, *, gap_abs=None, **kw: real(time_limit, **kw))
+    exact = get_solver("ilp").solve(problem)
+    assert exact.status == "optimal" and exact.simulation.recompute_time > 0
+    assert with_gap.simulation.peak_bytes <= problem.budget_bytes
+    assert with_gap.simulation.time <= exact.simulation.time + ilp.MIP_STEP_GAP * step + 1e-12
+
+
+
 def _blocks(graph):
     problem = Problem(graph, baseline(graph), options={"progress": False})
     ctx = _Context(True, problem, float("inf"))
