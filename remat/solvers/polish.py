@@ -9,6 +9,13 @@ first forward instead (all its recomputations dropped, then any recomputation no
 more). The simulator is the judge: a change is kept only if the exact peak stays within the
 budget and the step gets faster. The result is never worse than the input; the work is bounded
 by a deadline and a number of trials, so large graphs pay at most that.
+
+It also stops after ``stall`` trials in a row that kept nothing: the candidates come most
+promising first, so a long run of misses means the memory left is used up. On the benchmark
+models (MLP, ViT, U-Net, ResNet, GPTs of 2 and 6 layers, a small Mamba-style scan at 70/50/30%)
+the longest run of misses before a change that was kept was 35 trials; on a 24-layer GPT at
+50% all 146 trials missed (3.2 s of each 16 s solve, twice) and at 33% they gained 0.1 points.
+A count, not a time, so the same schedule comes out on a busy machine.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ def _is_view(graph: RematGraph, i: int) -> bool:
 
 
 def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
-           deadline: float | None = None, max_trials: int = 400,
+           deadline: float | None = None, max_trials: int = 400, stall: int = 40,
            simulation: Simulation | None = None) -> tuple[Schedule, Simulation]:
     """Greedily keep recomputed values while the simulated peak fits. See NOTE [ Polishing a schedule ].
 
@@ -38,6 +45,7 @@ def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
         budget_bytes: The peak the result must stay within.
         deadline: ``time.perf_counter()`` value after which no new trial starts.
         max_trials: Most candidate changes simulated.
+        stall: Stop after this many trials in a row kept nothing.
         simulation: ``simulate(graph, schedule)`` if the caller has it.
 
     Returns:
@@ -57,8 +65,9 @@ def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
     candidates = [i for i, n in counts.items() if ops[i].time > 0 and not _is_view(graph, i)]
     candidates.sort(key=lambda i: (-counts[i] * ops[i].time / max(1, own_bytes(i)), i))
     best = schedule
+    last_kept = 0
     for trials, i in enumerate(candidates):
-        if trials >= max_trials:
+        if trials >= max_trials or trials - last_kept >= stall:
             break
         if deadline is not None and time.perf_counter() > deadline:
             time_cut("polishing")
@@ -76,4 +85,5 @@ def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
             continue
         if sim.peak_bytes <= budget_bytes and sim.time < best_sim.time:
             best, best_sim = trial, sim
+            last_kept = trials + 1
     return best, best_sim

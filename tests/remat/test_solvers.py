@@ -127,6 +127,39 @@ def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
     assert with_gap.simulation.time <= exact.simulation.time + ilp.MIP_STEP_GAP * step + 1e-12
 
 
+def test_polish_stops_after_a_run_of_misses(monkeypatch):
+    import remat.solvers.polish as polish_module
+
+    graph = chain([1.0 + (k % 4) for k in range(24)], act=A, grad=D, per_layer=2)
+    start = get_solver("checkpoint").solve(Problem(graph, baseline(graph))).schedule
+    budget = int(1.15 * simulate(graph, start).peak_bytes)
+    outcomes: list[bool] = []  # per simulated trial: kept or not
+
+    def run(stall: int):
+        outcomes.clear()
+        best = [simulate(graph, start).time]
+
+        def counting(g, schedule):
+            sim = simulate(g, schedule)
+            kept = sim.peak_bytes <= budget and sim.time < best[0]
+            best[0] = sim.time if kept else best[0]
+            outcomes.append(kept)
+            return sim
+
+        monkeypatch.setattr(polish_module, "simulate", counting)
+        return polish(graph, start, budget, stall=stall)
+
+    unbounded = run(10**9)
+    full = list(outcomes)
+    assert any(full) and not all(full)  # some trials kept, some missed: the rule has work
+    misses = max(len(r) for r in "".join("k" if k else "m" for k in full).split("k"))
+    assert run(misses + 1) == unbounded  # a longer run of misses than any: the same result
+    # Stopping at the first run of 2 misses: exactly the trials up to it were simulated.
+    run(2)
+    text = "".join("k" if k else "m" for k in full)
+    assert "mm" in text, text
+    assert len(outcomes) == text.index("mm") + 2
+
 
 def _blocks(graph):
     problem = Problem(graph, baseline(graph), options={"progress": False})
