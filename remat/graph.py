@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import NamedTuple
 
-__all__ = ["Phase", "ValueKind", "Value", "Op", "RematGraph"]
+__all__ = ["Phase", "ValueKind", "Value", "Op", "RematGraph", "FlatGraph"]
 
 
 class Phase(str, enum.Enum):
@@ -89,6 +90,22 @@ class Op:
     workspace: int = 0
 
 
+class FlatGraph(NamedTuple):
+    """A graph's fields as flat tuples indexed by op or value, for tight loops (the simulator
+    runs a few thousand times per solve): no attribute lookups, no ``None``."""
+
+    inputs: tuple[tuple[int, ...], ...]  # per op
+    outputs: tuple[tuple[int, ...], ...]  # per op
+    times: tuple[float, ...]  # per op
+    workspaces: tuple[int, ...]  # per op
+    recomputable: tuple[bool, ...]  # per op
+    alias_of: tuple[int, ...]  # per value: the value whose storage it shares, or -1
+    nbytes: tuple[int, ...]  # per value
+    tangents: tuple[int, ...]  # the tangent values
+    forward_views: tuple[tuple[int, ...], ...]  # per value: views of it (or of its views)
+    # that forward ops make, which go stale when it is recomputed
+
+
 @dataclass(frozen=True)
 class RematGraph:
     """The joint graph of one training step as plain data.
@@ -154,6 +171,29 @@ class RematGraph:
     def forward_values(self) -> tuple[int, ...]:
         """Values produced by forward ops."""
         return tuple(v for i in self.forward_ops for v in self.ops[i].outputs)
+
+    @cached_property
+    def flat(self) -> FlatGraph:
+        """The graph as flat tuples (see :class:`FlatGraph`)."""
+        views: list[list[int]] = [[] for _ in self.values]
+        chain: dict[int, set[int]] = {}  # a view -> the values it is (transitively) a view of
+        for v, value in enumerate(self.values):
+            if value.alias_of is not None:
+                chain[v] = {value.alias_of} | chain.get(value.alias_of, set())
+                if value.producer < self.num_forward:
+                    for u in chain[v]:
+                        views[u].append(v)
+        return FlatGraph(
+            inputs=tuple(op.inputs for op in self.ops),
+            outputs=tuple(op.outputs for op in self.ops),
+            times=tuple(op.time for op in self.ops),
+            workspaces=tuple(op.workspace for op in self.ops),
+            recomputable=tuple(op.recomputable for op in self.ops),
+            alias_of=tuple(-1 if v.alias_of is None else v.alias_of for v in self.values),
+            nbytes=tuple(v.nbytes for v in self.values),
+            tangents=tuple(i for i, v in enumerate(self.values) if v.kind is ValueKind.TANGENT),
+            forward_views=tuple(tuple(u) for u in views),
+        )
 
     @cached_property
     def baseline_time(self) -> float:

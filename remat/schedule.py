@@ -18,10 +18,11 @@ measured ``workspace``) and allocator rounding.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from .errors import ScheduleError
-from .graph import Phase, RematGraph, ValueKind
+from .graph import RematGraph, ValueKind
 
 __all__ = [
     "Schedule",
@@ -88,67 +89,75 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
             is missing or repeated, a non-recomputable op is recomputed, or an output is never
             produced.
     """
-    values, ops, nf = graph.values, graph.ops, graph.num_forward
+    values, nf = graph.values, graph.num_forward
     _check_op_lists(graph, schedule)
+    flat = graph.flat
+    op_inputs, op_outputs, alias_of = flat.inputs, flat.outputs, flat.alias_of
 
     # Pass 1: bind reads to instances along the timeline. Position p: forward ops are
-    # 0..F-1, the forward/backward boundary is F, backward ops are F+1..F+B.
-    num_f = len(schedule.forward)
+    # 0..F-1, the forward/backward boundary is F, backward ops are F+1..F+B. Reads come in
+    # timeline order, so an instance's death only moves forward (one comparison per read).
+    # A hot loop (thousands of runs per solve): flat tuples, no helper calls per op.
+    forward, backward = schedule.forward, schedule.backward
+    num_f = len(forward)
     boundary = num_f
-    end = num_f + 1 + len(schedule.backward)
+    end = num_f + 1 + len(backward)
     inst_value: list[int] = []  # instance -> value
     inst_birth: list[int] = []
     inst_death: list[int] = []
     inst_storage: list[int] = []  # instance -> owning instance (storage), -1 for inputs
 
-    def new_instance(v: int, pos: int, env: dict[int, int]) -> int:
-        value = values[v]
-        inst = len(inst_value)
-        inst_value.append(v)
-        inst_birth.append(pos)
-        inst_death.append(pos)
-        if value.alias_of is None:
-            inst_storage.append(inst)
-        else:
-            base = env.get(value.alias_of)
-            inst_storage.append(-1 if base is None or base < 0 else inst_storage[base])
-        env[v] = inst
-        return inst
+    def missing_input(op_index: int, v: int, pos: int, phase: str) -> ScheduleError:
+        op = graph.ops[op_index]
+        where = "forward" if phase == "fwd" else "backward"
+        what = "recomputation of " if phase == "bwd" and op_index < nf else ""
+        return ScheduleError(
+            f"{what}op {op.name!r} at {where} position {pos if phase == 'fwd' else pos - boundary - 1} "
+            f"reads {values[v].name!r}, which is not available there (not computed yet, "
+            "not saved, and not recomputed)"
+        )
 
-    env: dict[int, int] = {v: -1 for v in graph.always_available}  # -1: pre-existing input
-    positions: list[tuple[int, int, str]] = []  # (op, pos, phase) for the memory sweep
+    def run(op_list: tuple[int, ...], first: int, env: list[int], phase: str) -> None:
+        pos = first
+        for i in op_list:
+            for v in op_inputs[i]:
+                inst = env[v]
+                if inst >= 0:
+                    if inst_death[inst] < pos:
+                        inst_death[inst] = pos
+                elif inst == _ABSENT:
+                    raise missing_input(i, v, pos, phase)
+            for v in op_outputs[i]:
+                inst = len(inst_value)
+                inst_value.append(v)
+                inst_birth.append(pos)
+                inst_death.append(pos)
+                base = alias_of[v]
+                if base < 0:
+                    inst_storage.append(inst)
+                else:
+                    base_inst = env[base]
+                    inst_storage.append(inst_storage[base_inst] if base_inst >= 0 else -1)
+                env[v] = inst
+            pos += 1
 
-    def run(op_index: int, pos: int, phase: str) -> None:
-        op = ops[op_index]
-        for v in op.inputs:
-            inst = env.get(v)
-            if inst is None:
-                where = "forward" if phase == "fwd" else "backward"
-                what = "recomputation of " if phase == "bwd" and op_index < nf else ""
-                raise ScheduleError(
-                    f"{what}op {op.name!r} at {where} position {pos if phase == 'fwd' else pos - boundary - 1} "
-                    f"reads {values[v].name!r}, which is not available there (not computed yet, "
-                    "not saved, and not recomputed)"
-                )
-            if inst >= 0:
-                inst_death[inst] = max(inst_death[inst], pos)
-        for v in op.outputs:
-            new_instance(v, pos, env)
-        positions.append((op_index, pos, phase))
+    env = [_ABSENT] * len(values)  # _ABSENT: no instance; -1: pre-existing input
+    for v in graph.always_available:
+        env[v] = -1
+    run(forward, 0, env, "fwd")
 
-    for pos, i in enumerate(schedule.forward):
-        run(i, pos, "fwd")
-
-    missing = [values[v].name for v in graph.forward_outputs if v not in env]
+    missing = [values[v].name for v in graph.forward_outputs if env[v] == _ABSENT]
     if missing:
         raise ScheduleError(f"forward never produces the outputs {missing[:5]}")
-    missing = [values[v].name for v in schedule.saved if v not in env]
+    missing = [values[v].name for v in schedule.saved if env[v] == _ABSENT]
     if missing:
         raise ScheduleError(f"saved values {missing[:5]} are not produced by the forward")
     user_outputs = set(graph.user_outputs)
     # At the boundary: model outputs are kept by the caller until the end; saved values live
     # at least to the boundary; everything else produced in forward is gone.
-    bwd_env: dict[int, int] = {v: -1 for v in graph.always_available}
+    bwd_env = [_ABSENT] * len(values)
+    for v in graph.always_available:
+        bwd_env[v] = -1
     for v in graph.forward_outputs:
         inst = env[v]
         if inst >= 0:
@@ -159,60 +168,64 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
         if inst >= 0:
             inst_death[inst] = max(inst_death[inst], boundary)
     for v in user_outputs:  # the caller's output tensors stay readable (no copy)
-        bwd_env.setdefault(v, env[v])
-    for v, value in enumerate(values):
-        if value.kind is ValueKind.TANGENT:
-            new_instance(v, boundary, bwd_env)
+        if bwd_env[v] == _ABSENT:
+            bwd_env[v] = env[v]
+    for v in flat.tangents:
+        inst = len(inst_value)
+        inst_value.append(v)
+        inst_birth.append(boundary)
+        inst_death.append(boundary)
+        base = alias_of[v]
+        inst_storage.append(inst if base < 0 else
+                            (inst_storage[bwd_env[base]] if bwd_env[base] >= 0 else -1))
+        bwd_env[v] = inst
     env = bwd_env
-    for k, i in enumerate(schedule.backward):
-        run(i, boundary + 1 + k, "bwd")
+    run(backward, boundary + 1, env, "bwd")
     for v in graph.backward_outputs:
-        inst = env.get(v)
-        if inst is None:
+        inst = env[v]
+        if inst == _ABSENT:
             raise ScheduleError(f"backward never produces the gradient {values[v].name!r}")
         if inst >= 0:
             inst_death[inst] = end
 
     # Pass 2: storage lifetimes and the memory sweep.
-    storage_death: dict[int, int] = {}
+    storage_death = [-1] * len(inst_value)
     for inst, owner in enumerate(inst_storage):
-        if owner >= 0:
-            storage_death[owner] = max(storage_death.get(owner, -1), inst_death[inst])
+        if owner >= 0 and inst_death[inst] > storage_death[owner]:
+            storage_death[owner] = inst_death[inst]
+    nbytes_of = flat.nbytes
     delta = [0] * (end + 2)
-    for owner, death in storage_death.items():
-        nbytes = values[inst_value[owner]].nbytes
-        if nbytes == 0:
-            continue
-        delta[inst_birth[owner]] += nbytes
-        delta[death + 1] -= nbytes
+    for owner, death in enumerate(storage_death):
+        if death >= 0:
+            nbytes = nbytes_of[inst_value[owner]]
+            if nbytes:
+                delta[inst_birth[owner]] += nbytes
+                delta[death + 1] -= nbytes
     root = graph.storage_root
     pinned = {root[v] for v in user_outputs}
     saved_bytes = sum(values[r].nbytes for r in {root[v] for v in schedule.saved} - pinned)
-    live = [0] * (end + 1)
-    running = 0
-    for pos in range(end + 1):
-        running += delta[pos]
-        live[pos] = running
+    live = list(itertools.accumulate(delta[:end + 1]))
 
+    times, workspaces = flat.times, flat.workspaces
     fwd_peak = bwd_peak = 0
     peak_at = ("fwd", 0)
     time = recompute = 0.0
-    for op_index, pos, phase in positions:
-        op = ops[op_index]
-        here = live[pos] + op.workspace
-        time += op.time
-        if phase == "fwd":
-            if here > fwd_peak:
-                fwd_peak = here
-                if here > bwd_peak:
-                    peak_at = ("fwd", pos)
-        else:
-            if op_index < nf:
-                recompute += op.time
+    for pos, i in enumerate(forward):
+        here = live[pos] + workspaces[i]
+        time += times[i]
+        if here > fwd_peak:
+            fwd_peak = here
             if here > bwd_peak:
-                bwd_peak = here
-                if here >= fwd_peak:
-                    peak_at = ("bwd", pos - boundary - 1)
+                peak_at = ("fwd", pos)
+    for k, i in enumerate(backward):
+        here = live[boundary + 1 + k] + workspaces[i]
+        time += times[i]
+        if i < nf:
+            recompute += times[i]
+        if here > bwd_peak:
+            bwd_peak = here
+            if here >= fwd_peak:
+                peak_at = ("bwd", k)
     bwd_peak = max(bwd_peak, live[boundary])
     return Simulation(
         peak_bytes=max(fwd_peak, bwd_peak),
@@ -225,29 +238,36 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
     )
 
 
+_ABSENT = -2  # in the simulator's value -> instance tables: no instance
+
+
 def _check_op_lists(graph: RematGraph, schedule: Schedule) -> None:
-    nf = graph.num_forward
-    seen: set[int] = set()
-    for i in schedule.forward:
-        if not 0 <= i < nf:
-            raise ScheduleError(f"forward list holds op {i}, which is not a forward op")
-        if i in seen:
-            raise ScheduleError(f"forward runs op {graph.ops[i].name!r} twice")
-        seen.add(i)
+    nf, n = graph.num_forward, len(graph.ops)
+    forward = schedule.forward
+    if forward and (min(forward) < 0 or max(forward) >= nf):
+        i = next(i for i in forward if not 0 <= i < nf)
+        raise ScheduleError(f"forward list holds op {i}, which is not a forward op")
+    if len(set(forward)) != len(forward):
+        seen: set[int] = set()
+        i = next(i for i in forward if i in seen or seen.add(i))
+        raise ScheduleError(f"forward runs op {graph.ops[i].name!r} twice")
+    backward = schedule.backward
+    if backward and (min(backward) < 0 or max(backward) >= n):
+        i = next(i for i in backward if not 0 <= i < n)
+        raise ScheduleError(f"backward list holds op {i}, which does not exist")
+    recomputable = graph.flat.recomputable
     backward_seen: set[int] = set()
-    for i in schedule.backward:
-        if not 0 <= i < len(graph.ops):
-            raise ScheduleError(f"backward list holds op {i}, which does not exist")
-        op = graph.ops[i]
-        if op.phase is Phase.BACKWARD:
+    for i in backward:
+        if i >= nf:
             if i in backward_seen:
-                raise ScheduleError(f"backward runs op {op.name!r} twice")
+                raise ScheduleError(f"backward runs op {graph.ops[i].name!r} twice")
             backward_seen.add(i)
-        elif not op.recomputable:
+        elif not recomputable[i]:
             raise ScheduleError(
-                f"op {op.name!r} is random or impure and may not be recomputed; save its outputs"
+                f"op {graph.ops[i].name!r} is random or impure and may not be recomputed; save its "
+                "outputs"
             )
-    missing = len(graph.ops) - nf - len(backward_seen)
+    missing = n - nf - len(backward_seen)
     if missing:
         names = [graph.ops[i].name for i in graph.backward_ops if i not in backward_seen]
         raise ScheduleError(f"backward is missing {missing} ops, e.g. {names[:5]}")
@@ -255,14 +275,18 @@ def _check_op_lists(graph: RematGraph, schedule: Schedule) -> None:
 
 def forward_ops_needed(graph: RematGraph, saved: frozenset[int] | set[int]) -> tuple[int, ...]:
     """Forward ops needed to produce the forward outputs and the saved values, in order."""
-    need_values = set(graph.forward_outputs) | set(saved)
-    needed: set[int] = set()
-    for i in reversed(graph.forward_ops):
-        op = graph.ops[i]
-        if any(v in need_values for v in op.outputs):
-            needed.add(i)
-            need_values.update(op.inputs)
-    return tuple(i for i in graph.forward_ops if i in needed)
+    need_values = set(graph.forward_outputs)
+    need_values.update(saved)
+    op_inputs, op_outputs = graph.flat.inputs, graph.flat.outputs
+    needed: list[int] = []
+    for i in range(graph.num_forward - 1, -1, -1):
+        for v in op_outputs[i]:
+            if v in need_values:
+                needed.append(i)
+                need_values.update(op_inputs[i])
+                break
+    needed.reverse()
+    return tuple(needed)
 
 
 def save_all_schedule(graph: RematGraph) -> Schedule:
@@ -396,20 +420,21 @@ def tidy(graph: RematGraph, schedule: Schedule) -> Schedule:
     raises memory or time, and keeps the generated graphs minimal.
     """
     nf = graph.num_forward
-    read_later: dict[int, bool] = {}
+    op_inputs, op_outputs = graph.flat.inputs, graph.flat.outputs
+    read_later = bytearray(len(graph.values))  # 1: read by a later op before it is remade
     keep = [True] * len(schedule.backward)
     for pos in range(len(schedule.backward) - 1, -1, -1):
         i = schedule.backward[pos]
-        op = graph.ops[i]
-        if i < nf and not any(read_later.get(v, False) for v in op.outputs):
+        outputs = op_outputs[i]
+        if i < nf and not any(read_later[v] for v in outputs):
             keep[pos] = False
             continue
-        for v in op.outputs:
-            read_later[v] = False
-        for v in op.inputs:
-            read_later[v] = True
+        for v in outputs:
+            read_later[v] = 0
+        for v in op_inputs[i]:
+            read_later[v] = 1
     backward = tuple(i for i, k in zip(schedule.backward, keep) if k)
-    saved = frozenset(v for v in schedule.saved if read_later.get(v, False))
+    saved = frozenset(v for v in schedule.saved if read_later[v])
     return Schedule(forward_ops_needed(graph, saved), saved, backward)
 
 
@@ -434,16 +459,9 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
     """
     nf = graph.num_forward
     values, ops = graph.values, graph.ops
-    # derived[u]: the views made (directly or not) from u; made stale when u is remade.
-    chain: dict[int, set[int]] = {}
-    derived: dict[int, set[int]] = {}
-    for v, value in enumerate(values):
-        if value.alias_of is not None:
-            chain[v] = {value.alias_of} | chain.get(value.alias_of, set())
-            for u in chain[v]:
-                derived.setdefault(u, set()).add(v)
+    stale_views = graph.flat.forward_views  # made stale when their base is remade
     available = set(schedule.saved) | set(graph.always_available) | set(graph.user_outputs)
-    available |= {v for v, value in enumerate(values) if value.kind is ValueKind.TANGENT}
+    available.update(graph.flat.tangents)
     order: list[int] = []
     sizes: set[int] = set()  # forward-made sizes (SymInts) a remade view needs: kept, free
 
@@ -474,7 +492,7 @@ def remake_views(graph: RematGraph, schedule: Schedule) -> Schedule:
             # Forward-made views of a recomputed value go stale; a view backward made earlier
             # keeps the instance it was made from (the simulator and codegen bind it there).
             for v in op.outputs:
-                available -= {d for d in derived.get(v, ()) if values[d].producer < nf}
+                available.difference_update(stale_views[v])
         available.update(op.outputs)
     if sizes:
         saved = frozenset(schedule.saved | sizes)

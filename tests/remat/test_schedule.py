@@ -86,3 +86,29 @@ def test_lower_bound_is_below_every_schedule():
         assert bound <= simulate(graph, on_demand_schedule(graph, saved)).peak_bytes
     # At b2: a6 (kept by the caller), da2 in, da1 out, dw6..dw2, and b2 reads a1.
     assert bound == 4 * A + 5 * D
+
+
+def test_flat_tables_follow_the_graph_they_were_made_from():
+    """The simulator reads ``graph.flat`` (cached per graph): a graph with new times or flags
+    is another graph, with tables of its own."""
+    import dataclasses
+
+    graph = chain([1.0] * 3, act=A, grad=D, view_every=1)
+    everything = save_all_schedule(graph)
+    assert simulate(graph, everything).time == pytest.approx(9.0)
+    slower = graph.with_times([2.0] * len(graph.ops))
+    assert simulate(slower, everything).time == pytest.approx(18.0)
+    assert simulate(graph, everything).time == pytest.approx(9.0)
+    ops = list(graph.ops)
+    ops[0] = dataclasses.replace(ops[0], recomputable=False)
+    fixed = dataclasses.replace(graph, ops=tuple(ops))
+    recompute_first = Schedule(everything.forward, everything.saved, (0, *graph.backward_ops))
+    with pytest.raises(remat.ScheduleError, match="may not be recomputed"):
+        simulate(fixed, recompute_first)
+    # Views made in forward, by base: each activation's view (and nothing made in backward).
+    for v, value in enumerate(graph.values):
+        views = graph.flat.forward_views[v]
+        assert all(graph.values[w].alias_of == v and graph.values[w].producer < graph.num_forward
+                   for w in views)
+    assert sum(map(len, graph.flat.forward_views)) == sum(
+        1 for value in graph.values if value.alias_of is not None and value.producer < graph.num_forward)
