@@ -46,7 +46,8 @@ from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_t
 from .chain import solve_chain
 from .dag import block_dag, solve_block_dag
 from .ilp import ILPSolver, _Model, submit_cancellable, thread_pool, wait_cancellable
-from .options import BlockOptions, block_options, block_signature, option_from_schedule, pareto
+from .options import (BlockOptions, block_options, block_signature, block_structure,
+                      option_from_schedule, pareto, repriced_options, sizes_close)
 from .polish import polish
 from .progress import SolveProgress
 from .upper import assemble, capacity_grid, chain_stages, search_capacity
@@ -294,7 +295,8 @@ class HierarchicalSolver:
         crossing = dag is not None and not dag.is_chain  # storages cross several blocks
         name = "hierarchical" if use_ilp else "dp"
         detail = (f"{len(chain.segments)} top-level segments, {ctx.solved} distinct blocks solved "
-                  f"({ctx.reused} reused); regions by {regions}; upper level: ")
+                  f"({ctx.reused} reused, {ctx.repriced} from blocks of other sizes); regions by "
+                  f"{regions}; upper level: ")
 
         def block_ilp_results() -> list[SolveResult]:
             if time.perf_counter() >= deadline:
@@ -356,6 +358,9 @@ class _Shared:
     # Block options by (use_ilp, mid_ilp), then by block signature (see _Context.cache).
     options: dict[tuple[bool, bool], dict[str, BlockOptions]] = dataclasses.field(
         default_factory=dict)
+    # Blocks solved, by (use_ilp, mid_ilp), then by structure (see _Context.options_of).
+    solved: dict[tuple[bool, bool], dict[str, list[tuple[RematGraph, BlockOptions]]]] = \
+        dataclasses.field(default_factory=dict)
     # The hierarchies solved so far: (use_ilp, mid_ilp, block_ilp, top-level chain).
     hierarchies: set[tuple] = dataclasses.field(default_factory=set)
 
@@ -381,7 +386,9 @@ class _Context:
         key = (self.use_ilp, self.mid_ilp)
         self.cache: dict[str, BlockOptions] = ({} if caches is None
                                                else caches.options.setdefault(key, {}))
-        self.solved = self.reused = 0
+        self.by_structure: dict[str, list[tuple[RematGraph, BlockOptions]]] = (
+            {} if caches is None else caches.solved.setdefault(key, {}))
+        self.solved = self.reused = self.repriced = 0
         self.bar = bar or SolveProgress(False, 1, problem.time_limit)
 
     def options_of(self, sub: RematGraph, depth: int) -> BlockOptions:
@@ -389,9 +396,19 @@ class _Context:
         if sig in self.cache:
             self.reused += 1
             return self.cache[sig]
+        # NOTE [ Blocks that differ only in size ]: a block wired like one solved before, at
+        # close sizes, takes its schedules, priced on its own ops.
+        structure = block_structure(sub)
+        similar = self.by_structure.setdefault(structure, [])
+        model = next((opts for g, opts in similar if sizes_close(g, sub)), None)
+        if model is not None:
+            self.repriced += 1
+            result = self.cache[sig] = repriced_options(sub, model)
+            return result
         self.solved += 1
         result = self._solve_block(sub, depth)
         self.cache[sig] = result
+        similar.append((sub, result))
         self.bar.block()
         return result
 

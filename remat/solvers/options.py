@@ -23,8 +23,8 @@ from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_al
 from .base import Problem
 from .ilp import _Model, solve_many
 
-__all__ = ["BlockOption", "BlockOptions", "block_options", "block_signature", "option_from_schedule",
-           "pareto"]
+__all__ = ["BlockOption", "BlockOptions", "block_options", "block_signature", "block_structure",
+           "option_from_schedule", "pareto", "repriced_options", "sizes_close"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,53 @@ def block_signature(sub: RematGraph) -> str:
         h.update(f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}".encode())
     h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
     return h.hexdigest()
+
+
+def block_structure(sub: RematGraph) -> str:
+    """A hash of a block's wiring alone: :func:`block_signature` without shapes or sizes.
+
+    NOTE [ Blocks that differ only in size ]: a schedule (what the forward keeps, what backward
+    recomputes, in which order) is valid for every block wired the same way, whatever its
+    tensors' sizes; only its price changes. Layers of different widths (a GPT whose every MLP
+    is another width; the 24 layers of such a GPT were 24 blocks solved one by one, past the
+    60 s time limit) share a structure. A block whose structure was solved before, at sizes
+    close to its own (:func:`sizes_close`), takes that block's schedules, priced anew on its own
+    ops and sizes (:func:`repriced_options`), instead of its own MIPs.
+    """
+    h = hashlib.sha1()
+    for op in sub.ops:
+        h.update(f"{op.phase.value}|{op.signature.partition('(')[0]}|{op.inputs}|{op.outputs}|"
+                 f"{op.recomputable}".encode())
+    for v in sub.values:
+        h.update(f"{v.kind.value}|{v.nbytes > 0}|{v.alias_of}|{v.producer}|{v.scalar}".encode())
+    h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
+    return h.hexdigest()
+
+
+# Sizes within this factor of each other, value by value, count as close: the schedules of one
+# are nearly the best of the other (NOTE [ Blocks that differ only in size ]). A U-Net's levels
+# (each half the bytes of the one above) are not close; a GPT's layers 16 MLP columns apart are.
+_CLOSE_SIZES = 1.25
+
+
+def sizes_close(a: RematGraph, b: RematGraph) -> bool:
+    """Whether two blocks of one structure have every value's bytes within ``_CLOSE_SIZES``."""
+    return all(x.nbytes <= _CLOSE_SIZES * y.nbytes and y.nbytes <= _CLOSE_SIZES * x.nbytes
+               for x, y in zip(a.values, b.values))
+
+
+def repriced_options(sub: RematGraph, solved: BlockOptions) -> BlockOptions:
+    """``sub``'s options from the schedules of another block of its structure, each simulated
+    on ``sub`` (NOTE [ Blocks that differ only in size ])."""
+    own = block_options(sub, use_ilp=False)  # keep-all, keep-nothing, least memory, and costs
+    candidates = list(own.options)
+    for o in solved.options:
+        if o.name not in ("all", "none", "least-memory"):
+            schedule = Schedule(o.forward, o.saved, o.backward)
+            candidates.append(option_from_schedule(sub, o.name, schedule))
+    return BlockOptions(options=pareto(candidates), forward_time=own.forward_time,
+                        nosave_forward=own.nosave_forward, nosave_time=own.nosave_time,
+                        nosave_peak=own.nosave_peak)
 
 
 _TENSOR_ARG = re.compile(r"T\([^)]*\)\w+")

@@ -634,3 +634,55 @@ def test_which_schedules_are_polished():
     assert [r.schedule for r in _finalists(found, large)] == ["a", "b"]
     assert [r.schedule for r in _finalists(found[3:], large)] == ["c", "d"]
     assert [r.schedule for r in _finalists(found[4:], small)] == ["d"]
+
+
+def _resized(graph, factor_of_layer):
+    """``graph`` with each activation's (and its gradient's) bytes scaled by its layer's factor."""
+    import dataclasses
+
+    values = []
+    for v in graph.values:
+        digits = "".join(ch for ch in v.name if ch.isdigit())
+        layer = int(digits) if digits and v.name[0] in "ad" and v.nbytes else None
+        values.append(v if layer is None else
+                      dataclasses.replace(v, nbytes=int(v.nbytes * factor_of_layer(layer))))
+    return dataclasses.replace(graph, values=tuple(values))
+
+
+def test_blocks_of_one_wiring_and_close_sizes_share_schedules():
+    """NOTE [ Blocks that differ only in size ]."""
+    from remat.solvers.options import (block_options, block_signature, block_structure,
+                                       option_from_schedule, repriced_options, sizes_close)
+    from remat.schedule import Schedule
+
+    small = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D)
+    wider = _resized(small, lambda layer: 1.2)
+    assert block_structure(small) == block_structure(wider)
+    assert block_signature(small) != block_signature(wider)
+    assert sizes_close(small, wider) and not sizes_close(small, _resized(small, lambda k: 2.0))
+    own, borrowed = block_options(wider), repriced_options(wider, block_options(small))
+    # Bytes scaled alike everywhere: the same trade-offs, so the same schedules ...
+    assert {(o.saved, o.backward) for o in borrowed.options} == \
+        {(o.saved, o.backward) for o in own.options}
+    # ... each priced on the wider block itself.
+    for o in borrowed.options:
+        assert o == option_from_schedule(wider, o.name, Schedule(o.forward, o.saved, o.backward))
+    assert (borrowed.nosave_peak, borrowed.forward_time) == (own.nosave_peak, own.forward_time)
+
+
+def test_layers_of_different_widths_are_solved_once(monkeypatch):
+    import remat.solvers.hierarchical as hierarchical
+
+    # 12 one-op layers, each 2% wider than the last (like a GPT whose MLP widths all differ).
+    graph = _resized(chain([1.0 + (k % 3) for k in range(12)], act=1000, grad=D),
+                     lambda layer: 1.0 + 0.02 * layer)
+    problem = Problem(graph, int(0.5 * baseline(graph)),
+                      options={"progress": False, "leaf_ops": 2, "max_block_ops": 4})
+    shared = get_solver("hierarchical").solve(problem)
+    assert "from blocks of other sizes" in shared.detail
+    assert int(shared.detail.split("reused, ")[1].split(" ")[0]) > 0
+    monkeypatch.setattr(hierarchical, "sizes_close", lambda a, b: False)
+    alone = get_solver("hierarchical").solve(problem)
+    assert ", 0 from blocks of other sizes" in alone.detail
+    assert shared.simulation.peak_bytes <= problem.budget_bytes
+    assert shared.simulation.time <= 1.01 * alone.simulation.time
