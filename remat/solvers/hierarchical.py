@@ -97,13 +97,15 @@ _DAG_MAX_VARIABLES = 6_000
 # GPT-48 (30 of 60 s); GPT-24 finds the same schedules with 146 as with 292 (50%, 33%).
 _POLISH_TRIALS = 300
 _POLISH_OPS = 500_000
-# NOTE [ Polishing the finalists ]: polishing costs ~300 simulations (5-8 s on a 3,400-op
-# graph) and moved no candidate past another on the large benchmark models (GPT-24 at 50%/33%:
-# +0.01-0.4% each), so only the best schedule and a runner-up within 1% of it are polished:
-# GPT-24's solve 40 s -> 20 s, same schedule. Where a polish is cheap (its trials are not cut
-# by ``_POLISH_OPS``: graphs below ~1,700 ops) two more schedules within 10% of the best are
-# polished too: on a small Mamba-style scan at 50% the raw chain DP (+360%) polished to +110%
-# while the best raw one (+333%) polished to +327%; no time seen on the MLP, U-Net, ViT, GPTs.
+# NOTE [ Polishing the finalists ]: polishing cost up to ~300 simulations (5-8 s on a 3,400-op
+# graph, before the simulator got 2.5x faster and polishing learnt to stop after a run of
+# misses: now 40-60 simulations, 0.3-1 s) and moved no candidate past another on the large
+# benchmark models (GPT-24 at 50%/33%: +0.01-0.4% each), so only the best schedule and a
+# runner-up within 1% of it are polished: GPT-24's solve 40 s -> 20 s, same schedule. Where a
+# polish is cheap (its trials are not cut by ``_POLISH_OPS``: graphs below ~1,700 ops) two more
+# schedules within 10% of the best are polished too: on a small Mamba-style scan at 50% the raw
+# chain DP (+360%) polished to +110% while the best raw one (+333%) polished to +327%; no time
+# seen on the MLP, U-Net, ViT, GPTs.
 _POLISH_RUNNER_UP = 1.01
 _POLISH_CHEAP_RUNNER_UP = 1.10
 _POLISH_CHEAP_FINALISTS = 3

@@ -370,7 +370,6 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
     """Issue 14: HiGHS ran to its time limit (88 s measured) before Python saw a SIGINT. The
     hierarchical solve is interrupted while the exact ILP runs in its second thread (forced
     with ``exact_top=True``: the hierarchy alone finishes in under 3 s on this graph)."""
-    import os
     import signal
     import subprocess
     import sys
