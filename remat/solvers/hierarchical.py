@@ -46,8 +46,9 @@ from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_t
 from .chain import solve_chain
 from .dag import block_dag, solve_block_dag
 from .ilp import ILPSolver, _Model, submit_cancellable, thread_pool, wait_cancellable
-from .options import (BlockOptions, block_options, block_signature, block_structure,
-                      option_from_schedule, pareto, repriced_options, sizes_close)
+from .options import (BlockOptions, block_options, block_options_many, block_signature,
+                      block_structure, option_from_schedule, pareto, repriced_options,
+                      sizes_close)
 from .polish import polish
 from .progress import SolveProgress
 from .upper import assemble, capacity_grid, chain_stages, search_capacity
@@ -282,6 +283,8 @@ class HierarchicalSolver:
                 return []
             caches.hierarchies.add((use_ilp, mid_ilp, block_ilp, chain))
         subs = [extract_subgraph(graph, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
+        if use_ilp:
+            ctx.prefetch([sub.graph for sub in subs], depth=1)
         options = [ctx.options_of(sub.graph, depth=1) for sub in subs]
         table = solve_chain(chain_stages(chain, options), chain.cut_bytes[-1],
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
@@ -392,6 +395,41 @@ class _Context:
             {} if caches is None else caches.solved.setdefault(key, {}))
         self.solved = self.reused = self.repriced = 0
         self.bar = bar or SolveProgress(False, 1, problem.time_limit)
+        # By block signature: how its options are made (_plan), its children, and options
+        # whose MIPs were solved ahead (prefetch).
+        self.plans: dict[str, tuple[Chain | None, dict | None]] = {}
+        self.parts: dict[str, list] = {}
+        self.prefetched: dict[str, BlockOptions] = {}
+
+    def prefetch(self, subs: list[RematGraph], depth: int) -> None:
+        """Solve the MIPs of every block :meth:`options_of` will solve for ``subs`` and their
+        descendants, all at once (NOTE [ The MIPs of many blocks at once ]). Walks the blocks in
+        the order ``options_of`` will, with its rules for reuse, so it solves exactly the blocks
+        that would be solved."""
+        known = set(self.cache)
+        similar = {k: [g for g, _ in v] for k, v in self.by_structure.items()}
+        jobs: list[tuple[str, RematGraph, dict]] = []
+
+        def walk(sub: RematGraph, depth: int) -> None:
+            sig = block_signature(sub)
+            if sig in known:
+                return
+            known.add(sig)
+            group = similar.setdefault(block_structure(sub), [])
+            if any(sizes_close(g, sub) for g in group):
+                return  # options_of will reprice another block's options
+            chain, own = self._plan(sub, sig, depth)
+            if chain is not None:
+                for part in self._parts(sub, sig, chain):
+                    walk(part.graph, depth + 1)
+            if own is not None:
+                jobs.append((sig, sub, own))
+            group.append(sub)  # after its children, as options_of registers it
+
+        for sub in subs:
+            walk(sub, depth)
+        found = block_options_many([(sub, own) for _, sub, own in jobs], deadline=self.deadline)
+        self.prefetched.update((sig, options) for (sig, _, _), options in zip(jobs, found))
 
     def options_of(self, sub: RematGraph, depth: int) -> BlockOptions:
         sig = block_signature(sub)
@@ -408,13 +446,17 @@ class _Context:
             result = self.cache[sig] = repriced_options(sub, model)
             return result
         self.solved += 1
-        result = self._solve_block(sub, depth)
+        result = self._solve_block(sub, sig, depth)
         self.cache[sig] = result
         similar.append((sub, result))
         self.bar.block()
         return result
 
-    def _solve_block(self, sub: RematGraph, depth: int) -> BlockOptions:
+    def _plan(self, sub: RematGraph, sig: str, depth: int) -> tuple[Chain | None, dict | None]:
+        """How a block's options are made: the chain of its children (``None``: a leaf) and the
+        keyword arguments of :func:`block_options` for its own options (``None``: none)."""
+        if sig in self.plans:
+            return self.plans[sig]
         small = sub.num_forward <= 2 * self.leaf_ops
         use_ilp = self.use_ilp and small and self.deadline - time.perf_counter() > 1.0
         if self.use_ilp and small and not use_ilp:
@@ -422,28 +464,41 @@ class _Context:
         # A fixed limit, not a share of the time left: the node bound ends these MIPs, and the
         # limit is only a safety net (NOTE [ Work bounds and the time cap ]).
         limit = self.option_time_limit or _LEAF_TIME_LIMIT
+        plan: tuple[Chain | None, dict | None] = (
+            None, {"time_limit": limit, "use_ilp": use_ilp, "max_nodes": _LEAF_NODES})
         if sub.num_forward > self.leaf_ops and depth < 6:
             chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2),
                                     regions=self.regions)
             if len(chain.segments) > 1:
-                composed = self._compose(sub, chain, depth)
-                if not (use_ilp and self.mid_ilp):
-                    return composed
                 # Mid-sized blocks (a transformer layer) also get the exact ILP's options: the
                 # composition of its children's options misses trade-offs across them (keep
                 # the first linear's output, recompute the activation after it): 1-2 layer
                 # GPTs at 80%, +7.6% step time from composed options alone vs +3.7% exact.
-                exact = block_options(sub, time_limit=limit, use_ilp=True,
-                                      max_variables=_MID_BLOCK_VARIABLES, deadline=self.deadline,
-                                      **_MID_BLOCK_GRID)
-                return dataclasses.replace(composed,
-                                           options=pareto([*composed.options, *exact.options]))
-        return block_options(sub, time_limit=limit, use_ilp=use_ilp, deadline=self.deadline,
-                             max_nodes=_LEAF_NODES)
+                plan = (chain, {"time_limit": limit, "use_ilp": True,
+                                "max_variables": _MID_BLOCK_VARIABLES, **_MID_BLOCK_GRID}
+                        if use_ilp and self.mid_ilp else None)
+        self.plans[sig] = plan
+        return plan
 
-    def _compose(self, sub: RematGraph, chain: Chain, depth: int) -> BlockOptions:
+    def _parts(self, sub: RematGraph, sig: str, chain: Chain) -> list:
+        if sig not in self.parts:
+            self.parts[sig] = [extract_subgraph(sub, seg, reg)
+                               for seg, reg in zip(chain.segments, chain.regions)]
+        return self.parts[sig]
+
+    def _solve_block(self, sub: RematGraph, sig: str, depth: int) -> BlockOptions:
+        chain, own = self._plan(sub, sig, depth)
+        exact = self.prefetched.pop(sig, None)
+        if chain is None:
+            return exact or block_options(sub, deadline=self.deadline, **own)
+        composed = self._compose(sub, self._parts(sub, sig, chain), chain, depth)
+        if own is None:
+            return composed
+        exact = exact or block_options(sub, deadline=self.deadline, **own)
+        return dataclasses.replace(composed, options=pareto([*composed.options, *exact.options]))
+
+    def _compose(self, sub: RematGraph, parts: list, chain: Chain, depth: int) -> BlockOptions:
         """Options of a block from the chain DP over its children, at a grid of capacities."""
-        parts = [extract_subgraph(sub, seg, reg) for seg, reg in zip(chain.segments, chain.regions)]
         child = [self.options_of(p.graph, depth + 1) for p in parts]
         leaf = block_options(sub, use_ilp=False)  # keep-all / keep-nothing for reference
         ceiling = max(o.backward_peak for o in leaf.options) + max(o.forward_peak for o in leaf.options)

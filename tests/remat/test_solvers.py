@@ -685,3 +685,37 @@ def test_layers_of_different_widths_are_solved_once(monkeypatch):
     assert ", 0 from blocks of other sizes" in alone.detail
     assert shared.simulation.peak_bytes <= problem.budget_bytes
     assert shared.simulation.time <= 1.01 * alone.simulation.time
+
+
+@pytest.mark.parametrize("mid_ilp", [False, True])
+def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_ilp):
+    """NOTE [ The MIPs of many blocks at once ]: the MIPs of a level's blocks are solved ahead,
+    all at once; the walk must pick the blocks options_of solves (not one more, not one less:
+    reused and repriced blocks skipped) and the options must not change."""
+    import remat.solvers.ilp as ilp
+
+    # Layers of two widths (repriced), repeated (reused), in modules of 4 ops (composed blocks).
+    graph = _resized(chain([1.0 + (k % 3) for k in range(24)], act=1000, grad=D, per_layer=4),
+                     lambda layer: 1.1 if layer % 8 < 4 else 1.0)
+    problem = Problem(graph, baseline(graph),
+                      options={"progress": False, "leaf_ops": 2, "max_block_ops": 8})
+    structure = chain_structure(graph, max_block_ops=8)
+    subs = [extract_subgraph(graph, s, r).graph
+            for s, r in zip(structure.segments, structure.regions)]
+    solved: list[int] = []
+    real = ilp.ILPSolver.solve
+    monkeypatch.setattr(ilp.ILPSolver, "solve", lambda self, p: solved.append(1) or real(self, p))
+
+    def options(prefetch: bool):
+        solved.clear()
+        ctx = _Context(True, problem, float("inf"), mid_ilp=mid_ilp)
+        if prefetch:
+            ctx.prefetch(subs, 1)
+            assert ctx.solved == 0 and ctx.prefetched  # solved ahead, none through options_of yet
+        found = [ctx.options_of(sub, 1) for sub in subs]
+        assert ctx.prefetched == {}  # every block solved ahead was used
+        assert ctx.reused > 0 and ctx.repriced > 0
+        return found, len(solved), (ctx.solved, ctx.reused, ctx.repriced)
+
+    alone, prefetched = options(False), options(True)
+    assert prefetched == alone and alone[1] > 0
