@@ -18,6 +18,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from ..errors import ScheduleError
 from ..graph import RematGraph, ValueKind
 from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_all_schedule, simulate
 from .base import Problem
@@ -154,7 +155,11 @@ def repriced_options(sub: RematGraph, solved: BlockOptions) -> BlockOptions:
     for o in solved.options:
         if o.name not in ("all", "none", "least-memory"):
             schedule = Schedule(o.forward, o.saved, o.backward)
-            candidates.append(option_from_schedule(sub, o.name, schedule))
+            try:
+                candidates.append(option_from_schedule(sub, o.name, schedule))
+            except ScheduleError:  # the wiring is the same, so never seen; the option is dropped
+                log.warning("remat: a schedule of a block of the same structure does not fit "
+                            "another; please report it", exc_info=True)
     return BlockOptions(options=pareto(candidates), forward_time=own.forward_time,
                         nosave_forward=own.nosave_forward, nosave_time=own.nosave_time,
                         nosave_peak=own.nosave_peak)

@@ -719,3 +719,16 @@ def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_i
 
     alone, prefetched = options(False), options(True)
     assert prefetched == alone and alone[1] > 0
+
+
+def test_a_borrowed_schedule_that_does_not_fit_is_dropped_with_a_warning(caplog):
+    import dataclasses
+
+    from remat.solvers.options import block_options, repriced_options
+
+    graph = chain([1.0, 2.0, 0.5, 3.0], act=A, grad=D)
+    own = block_options(graph)
+    broken = dataclasses.replace(own.options[0], name="ilp:broken", backward=())  # no backward
+    borrowed = repriced_options(graph, dataclasses.replace(own, options=(broken,)))
+    assert all(o.name != "ilp:broken" for o in borrowed.options) and borrowed.options
+    assert "does not fit another" in caplog.text
