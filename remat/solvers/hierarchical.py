@@ -420,7 +420,7 @@ class _Context:
                 return  # options_of will reprice another block's options
             chain, own = self._plan(sub, sig, depth)
             if chain is not None:
-                for part in self._parts(sub, sig, chain):
+                for part in self._parts(sub, sig):
                     walk(part.graph, depth + 1)
             if own is not None:
                 jobs.append((sig, sub, own))
@@ -480,8 +480,10 @@ class _Context:
         self.plans[sig] = plan
         return plan
 
-    def _parts(self, sub: RematGraph, sig: str, chain: Chain) -> list:
+    def _parts(self, sub: RematGraph, sig: str) -> list:
+        """The children of a composed block (its plan's chain cut out of it), made once."""
         if sig not in self.parts:
+            chain = self.plans[sig][0]
             self.parts[sig] = [extract_subgraph(sub, seg, reg)
                                for seg, reg in zip(chain.segments, chain.regions)]
         return self.parts[sig]
@@ -491,7 +493,7 @@ class _Context:
         exact = self.prefetched.pop(sig, None)
         if chain is None:
             return exact or block_options(sub, deadline=self.deadline, **own)
-        composed = self._compose(sub, self._parts(sub, sig, chain), chain, depth)
+        composed = self._compose(sub, self._parts(sub, sig), chain, depth)
         if own is None:
             return composed
         exact = exact or block_options(sub, deadline=self.deadline, **own)

@@ -17,9 +17,10 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import ScheduleError
-from ..graph import RematGraph, ValueKind
+from ..graph import Op, RematGraph, Value, ValueKind
 from ..schedule import Schedule, forward_ops_needed, on_demand_schedule, save_all_schedule, simulate
 from .base import Problem
 from .ilp import _Model, solve_many
@@ -104,14 +105,8 @@ def block_signature(sub: RematGraph) -> str:
     loop (``x[:, i]`` for each ``i``) are one block, not one per step: a 64-step Mamba-style
     scan cut into 4-step segments solves 1 segment, not 16.
     """
-    h = hashlib.sha1()
-    for op in sub.ops:
-        h.update(f"{op.phase.value}|{_work(op.signature)}|{op.inputs}|{op.outputs}|"
-                 f"{op.recomputable}".encode())
-    for v in sub.values:
-        h.update(f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}".encode())
-    h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
-    return h.hexdigest()
+    return _block_hash(sub, lambda op: _work(op.signature),
+                       lambda v: f"{v.kind.value}|{v.nbytes}|{v.alias_of}|{v.producer}")
 
 
 def block_structure(sub: RematGraph) -> str:
@@ -125,12 +120,20 @@ def block_structure(sub: RematGraph) -> str:
     close to its own (:func:`sizes_close`), takes that block's schedules, priced anew on its own
     ops and sizes (:func:`repriced_options`), instead of its own MIPs.
     """
+    return _block_hash(sub, lambda op: op.signature.partition("(")[0],
+                       lambda v: f"{v.kind.value}|{v.nbytes > 0}|{v.alias_of}|{v.producer}|{v.scalar}")
+
+
+def _block_hash(sub: RematGraph, op_work: Callable[[Op], str], value: Callable[[Value], str]
+                ) -> str:
+    """A hash of a block's wiring (each op's phase, inputs, outputs and recomputability; its
+    outputs) with what ``op_work`` and ``value`` say of each op and value."""
     h = hashlib.sha1()
     for op in sub.ops:
-        h.update(f"{op.phase.value}|{op.signature.partition('(')[0]}|{op.inputs}|{op.outputs}|"
+        h.update(f"{op.phase.value}|{op_work(op)}|{op.inputs}|{op.outputs}|"
                  f"{op.recomputable}".encode())
     for v in sub.values:
-        h.update(f"{v.kind.value}|{v.nbytes > 0}|{v.alias_of}|{v.producer}|{v.scalar}".encode())
+        h.update(value(v).encode())
     h.update(f"{sub.forward_outputs}|{sub.backward_outputs}|{sub.user_outputs}".encode())
     return h.hexdigest()
 
@@ -255,7 +258,7 @@ def block_options_many(jobs: list[tuple[RematGraph, dict]], *, deadline: float |
     fill in. Each MIP is bounded by nodes, so what is found does not change.
     """
     prepared = [_option_problems(sub, **kwargs) for sub, kwargs in jobs]
-    order = sorted((-size, k, j) for k, p in enumerate(prepared) for j, size in enumerate(p.sizes))
+    order = sorted((-p.size, k, j) for k, p in enumerate(prepared) for j in range(len(p.problems)))
     solved = solve_many([prepared[k].problems[j] for _, k, j in order], deadline=deadline)
     results: list[list] = [[None] * len(p.problems) for p in prepared]
     for (_, k, j), result in zip(order, solved):
@@ -271,7 +274,7 @@ class _OptionProblems:
     candidates: list[BlockOption]
     names: list[str]
     problems: list[Problem]
-    sizes: list[int]  # binaries of each MIP
+    size: int  # binaries of each of its MIPs
 
     def finish(self, results: list) -> BlockOptions:
         sub, candidates = self.sub, list(self.candidates)
@@ -327,4 +330,4 @@ def _option_problems(sub: RematGraph, *, time_limit: float = 10.0, max_variables
                     options["save_budget"] = kept
                 names.append(name)
                 problems.append(Problem(sub, peak, time_limit=time_limit, options=options))
-    return _OptionProblems(sub, candidates, names, problems, [size] * len(problems))
+    return _OptionProblems(sub, candidates, names, problems, size)
