@@ -721,6 +721,30 @@ def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_i
     assert prefetched == alone and alone[1] > 0
 
 
+def test_pooled_mips_start_largest_first_peak_limited_first(monkeypatch):
+    """NOTE [ The MIPs of many blocks at once ]: the pool gets the largest models first and,
+    within a block, its peak-limited MIP before its save-limited ones; each block's options are
+    those it gets alone."""
+    import remat.solvers.options as options
+
+    blocks = [chain([1.0, 2.0, 1.0], act=1000, grad=D), chain([1.0 + k % 3 for k in range(8)],
+                                                               act=1000, grad=D)]
+    order: list[tuple[int, bool]] = []
+    real = options.solve_many
+
+    def recorded(problems, **kwargs):
+        order.extend((len(p.graph.ops), "save_budget" in p.options) for p in problems)
+        return real(problems, **kwargs)
+
+    monkeypatch.setattr(options, "solve_many", recorded)
+    many = options.block_options_many([(b, {"max_nodes": 500}) for b in blocks])
+    assert order and [n for n, _ in order] == sorted((n for n, _ in order), reverse=True)
+    for size in {n for n, _ in order}:
+        kinds = [saves for n, saves in order if n == size]
+        assert kinds == sorted(kinds) and not kinds[0] and kinds[-1]  # peak-limited first
+    assert many == [options.block_options(b, max_nodes=500) for b in blocks]
+
+
 def test_a_borrowed_schedule_that_does_not_fit_is_dropped_with_a_warning(caplog):
     import dataclasses
 
