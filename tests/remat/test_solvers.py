@@ -756,3 +756,37 @@ def test_a_borrowed_schedule_that_does_not_fit_is_dropped_with_a_warning(caplog)
     borrowed = repriced_options(graph, dataclasses.replace(own, options=(broken,)))
     assert all(o.name != "ilp:broken" for o in borrowed.options) and borrowed.options
     assert "does not fit another" in caplog.text
+
+
+@pytest.mark.parametrize("model_peak, solves", [(0.975, 1), (0.94, 2)])
+def test_block_ilp_search_stops_with_less_than_a_step_left(monkeypatch, model_peak, solves):
+    """The block ILP's capacity search (solve_block_dag) goes up only while its schedule leaves a
+    step (~3% of the budget) or more unused: with 2.5% left, one MIP; with 6% left, a second
+    one at a higher capacity. The model's schedules here peak at ``model_peak`` of their
+    capacity and get faster with it."""
+    from types import SimpleNamespace
+
+    import pulp
+
+    import remat.solvers.dag as dag
+
+    tried: list[int] = []
+
+    class Model:
+        def __init__(self, _dag, _options, capacity):
+            tried.append(capacity)
+            self.capacity = capacity
+            self.prob = SimpleNamespace(solve=lambda mip: None, sol_status=pulp.LpSolutionOptimal)
+
+        def actions(self):
+            return self.capacity
+
+    monkeypatch.setattr(dag, "_BlockModel", Model)
+    monkeypatch.setattr(dag, "assemble", lambda graph, subs, options, capacity, **_: capacity)
+    monkeypatch.setattr(dag, "simulate", lambda graph, capacity: SimpleNamespace(
+        peak_bytes=int(model_peak * capacity), time=1.0 / capacity))
+    budget = 1_000_000
+    best = dag.solve_block_dag(None, None, [], [], budget, deadline=float("inf"))
+    assert len(tried) == solves and tried[0] == budget
+    assert best[1].peak_bytes <= budget and best[1].time == min(1.0 / c for c in tried
+                                                                if model_peak * c <= budget)
