@@ -345,7 +345,7 @@ def format_summary(s: Summary) -> str:
         "== summary ==",
         f"steps: {s.steps}",
         f"mean step time: {1e3 * s.mean_step_time_s:.2f} ms (over {len(s.timed_steps)} steps"
-        + (f"; first and memory-measured steps excluded)" if excluded else ")"),
+        + ("; first and memory-measured steps excluded)" if excluded else ")"),
         *_time_lines(s),
         f"parameters: {s.num_params}",
         f"train_loss first: {s.first_train_loss:.4f}",
