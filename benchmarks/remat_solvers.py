@@ -222,7 +222,7 @@ def scale_model(name: str, args: argparse.Namespace) -> list[ScaleRow]:
                 row.note = "; ".join(filter(None, [row.note, "gradients differ from eager's by "
                                                    f"up to {remat_row.grad_diff:.1e}"]))
         rows.append(row)
-        del rm
+        rm = None  # freed before the next solver's module is built
         gc.collect()
     return rows
 
