@@ -369,8 +369,8 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
     capacity given to the model is searched: starting at ``budget``, it goes down when the
     simulated peak is over the budget, up when the model finds nothing (it was pessimistic)
     or its schedule leaves a step (~3% of the budget) or more unused, and halves the bracket
-    once both a too-low and a too-high capacity are known. At most ``attempts`` solves, each bounded in branch-and-bound
-    nodes. ``None`` if no schedule fits.
+    once both a too-low and a too-high capacity are known. At most ``attempts`` solves, each
+    bounded in branch-and-bound nodes. ``None`` if no schedule fits.
     """
     step = max(1, budget // 33)  # ~3% of the budget
     capacity, best = budget, None
@@ -411,7 +411,7 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
                 break
             too_low = capacity  # fits with memory to spare: a higher capacity may be faster
         if too_high is None and sim is not None and sim.peak_bytes <= budget:
-            capacity += max(step, budget - sim.peak_bytes)
+            capacity += budget - sim.peak_bytes  # a step or more: less stopped above
         elif too_low is not None and too_high is not None:
             if too_high - too_low <= max(1, budget // 200):
                 break
