@@ -76,9 +76,11 @@ class Solver(Protocol):
 
 
 def finish(name: str, problem: Problem, schedule: Schedule, started: float, *,
-           proven: bool, detail: str = "", timed_out: bool = False) -> SolveResult:
-    """Simulate ``schedule`` and wrap it into a :class:`SolveResult` with the right status."""
-    sim = simulate(problem.graph, schedule)
+           proven: bool, detail: str = "", timed_out: bool = False,
+           simulation: Simulation | None = None) -> SolveResult:
+    """Simulate ``schedule`` (unless its ``simulation`` is given) and wrap it into a
+    :class:`SolveResult` with the right status."""
+    sim = simulation or simulate(problem.graph, schedule)
     if sim.peak_bytes > problem.budget_bytes:
         status = "infeasible"
     elif timed_out:

@@ -38,7 +38,7 @@ from typing import Callable, ClassVar
 
 from ..errors import ScheduleError
 from ..graph import RematGraph
-from ..schedule import save_all_schedule
+from ..schedule import Schedule, Simulation, save_all_schedule
 from ..segments import REGION_RULES, Chain, chain_structure
 from ..subgraph import extract_subgraph
 from .baselines import CheckpointSolver
@@ -289,7 +289,8 @@ class HierarchicalSolver:
         table = solve_chain(chain_stages(chain, options), chain.cut_bytes[-1],
                             max(1, int(_HEADROOM * problem.budget_bytes) - chain.fixed_bytes),
                             slots=_SLOTS)
-        best, lowest = search_capacity(graph, subs, options, table, problem.budget_bytes)
+        best, lowest = search_capacity(graph, subs, options, table, problem.budget_bytes,
+                                       None if caches is None else caches.simulations)
         dag = (block_dag(graph, chain, subs, options)
                if use_ilp and block_ilp and problem.options.get("block_ilp", True)
                and len(subs) <= _DAG_MAX_BLOCKS
@@ -315,12 +316,13 @@ class HierarchicalSolver:
                             detail=detail + "block ILP")])
 
         if best is not None:
-            chain_results = [finish(name, problem, best, started, proven=False,
-                                    detail=detail + "chain DP")]
+            chain_results = [finish(name, problem, best[0], started, proven=False,
+                                    detail=detail + "chain DP", simulation=best[1])]
         else:
-            chain_results = [finish(name, problem, lowest or save_all_schedule(graph), started,
-                                    proven=False,
-                                    detail=detail + "chain DP; no schedule within the budget")]
+            schedule, sim = lowest or (save_all_schedule(graph), None)
+            chain_results = [finish(name, problem, schedule, started, proven=False,
+                                    detail=detail + "chain DP; no schedule within the budget",
+                                    simulation=sim)]
         if not crossing:
             return chain_results
         if later is None:
@@ -368,6 +370,8 @@ class _Shared:
         dataclasses.field(default_factory=dict)
     # The hierarchies solved so far: (use_ilp, mid_ilp, block_ilp, top-level chain).
     hierarchies: set[tuple] = dataclasses.field(default_factory=set)
+    # Every schedule the capacity searches simulated: hierarchies often assemble the same ones.
+    simulations: dict[Schedule, Simulation] = dataclasses.field(default_factory=dict)
 
 
 class _Context:
