@@ -119,8 +119,13 @@ def measure_op_times(
             workspaces = _cpu_workspaces(run_graph, names, len(workspaces))
 
         # On CUDA kernels are asynchronous: CUDA events instead of the wall clock.
-        timed = _wall_timer(op_index, samples, faults) if cuda is None \
-            else _cuda_timer(op_index, samples)
+        if cuda is None:
+            values = lowered.graph.values
+            may_fault = [sum(values[v].nbytes for v in op.outputs) >= _FAULT_BYTES
+                         for op in lowered.graph.ops]
+            timed = _wall_timer(op_index, samples, faults, may_fault)
+        else:
+            timed = _cuda_timer(op_index, samples)
         for _ in range(repeats):
             run_graph(_keying(op_index, keys, timed))
     return _pooled_medians(samples, keys, faults), workspaces
@@ -180,6 +185,14 @@ def _keying(op_index: dict, keys: list[object], timed):
 # glibc told to keep its memory (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``: no fault
 # in any step, as with CUDA's caching allocator), the MLP's predicted recomputation is then
 # within 2 points of the measured one. On CUDA there is nothing to count (the caching allocator).
+# Only ops with large outputs are watched (``_FAULT_BYTES``).
+
+
+# Faults are counted around ops whose outputs take at least this many bytes: reading the
+# counter is a system call, which made the next op slower (a Mamba-style scan's 6,477 small ops
+# summed to 57-60 ms with a count around each, 53-54 ms without), and an output smaller than
+# this lands on few fresh pages (64 here, ~64 us at most) even when it does.
+_FAULT_BYTES = 256 * 1024
 
 
 def _pooled_medians(samples: list[list[float]], keys: list[object],
@@ -295,20 +308,23 @@ def _cuda_workspaces(run_graph, op_index: dict[str, int], count: int,
     return result
 
 
-def _wall_timer(op_index: dict, samples: list[list[float]], faults: list[list[int]]):
+def _wall_timer(op_index: dict, samples: list[list[float]], faults: list[list[int]],
+                may_fault: list[bool]):
     """An FX-node callback timing each op with the wall clock (CPU ops run synchronously), and
-    counting the page faults during it (NOTE [ Page faults are not an op's cost ])."""
+    counting the page faults during the ops that ``may_fault`` (NOTE [ Page faults are not an
+    op's cost ]; the others count none)."""
     page_faults = _page_fault_counter()
 
     def timed(node, args, kwargs):
-        before = page_faults()
+        k = op_index.get(node)
+        counted = k is not None and may_fault[k]
+        before = page_faults() if counted else 0
         start = time.perf_counter()
         out = node.target(*args, **kwargs)
         elapsed = time.perf_counter() - start
-        k = op_index.get(node)
         if k is not None:
             samples[k].append(elapsed)
-            faults[k].append(page_faults() - before)
+            faults[k].append(page_faults() - before if counted else 0)
         return out
 
     return timed
