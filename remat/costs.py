@@ -199,19 +199,15 @@ def _pooled_medians(samples: list[list[float]], keys: list[object],
                     faults: list[list[int]] | None = None) -> list[float]:
     """Per op, the median of the samples of every op with its work key, of those that paid no
     page fault where any did not (NOTE [ Page faults are not an op's cost ])."""
+    groups = [key if key is not None else ("op", k) for k, key in enumerate(keys)]
     clean: dict[object, list[float]] = {}
     every: dict[object, list[float]] = {}
-    for k, key in enumerate(keys):
-        group = key if key is not None else ("op", k)
+    for k, group in enumerate(groups):
         every.setdefault(group, []).extend(samples[k])
         counts = faults[k] if faults is not None and faults[k] else [0] * len(samples[k])
         clean.setdefault(group, []).extend(s for s, f in zip(samples[k], counts) if f == 0)
-    prices = []
-    for k, key in enumerate(keys):
-        group = key if key is not None else ("op", k)
-        chosen = clean[group] or every[group]
-        prices.append(statistics.median(chosen) if chosen else 0.0)
-    return prices
+    chosen = [clean[group] or every[group] for group in groups]
+    return [statistics.median(c) if c else 0.0 for c in chosen]
 
 
 def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:

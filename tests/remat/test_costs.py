@@ -135,16 +135,13 @@ def test_an_op_is_priced_on_its_runs_without_page_faults(monkeypatch, watched_fr
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
     x = torch.randn(256, 64)
 
-    def loss(inp: torch.Tensor) -> torch.Tensor:
-        return fault_probe(model(inp)).square().sum()
-
     class Step(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = model
 
         def forward(self, inp: torch.Tensor) -> torch.Tensor:
-            return loss(inp)
+            return fault_probe(self.model(inp)).square().sum()
 
     rm = remat.rematerialize(Step(), x, budget="90%", options={"progress": False})
     graph = rm.graphs[0]
