@@ -3,12 +3,22 @@
 NOTE [ Dropout: save the mask, recompute the product ]
 A random op can never be recomputed (its numbers would change), so whatever backward needs from
 it must be saved. ``native_dropout(x, p, train)`` returns ``(x * mask * scale, mask)``; saving the
-float output costs 4 bytes per element, the bool mask 1. We rewrite the readers of the output to
-read ``mul(mul(x, mask), scale)`` instead: the random op still runs once in forward (same random
-stream as eager), and the product becomes an ordinary recomputable op. This is bit-exact only if
-it reproduces the kernel's own arithmetic, so for each (device, dtype, p) we check it once on a
-probe tensor and leave the op alone where it does not hold (e.g. half precision on CPU, whose
-kernel rounds differently).
+float output costs 4 bytes per element, the bool mask 1. We split the op into what is random and
+what is not: ``mask = bernoulli(empty_like(x, dtype=bool), 1 - p)`` (the draw, the same numbers
+from the same random stream as eager), ``keep = mask.to(x.dtype)`` and the output
+``mul(mul(x, keep), scale)``; ``native_dropout_backward(grad, mask, scale)`` becomes
+``mul(mul(grad, keep), scale)``. Everything after the draw is an ordinary recomputable op, so
+the solver chooses per dropout: keep ``keep`` (4 bytes, as eager does) and run backward at
+eager's speed, or keep ``mask`` (1 byte) and cast it again where backward needs it. Multiplying
+by a bool tensor casts it inside the multiply, a slow unvectorized pass (a 393K-element mask:
+~300 us vs ~100 us for the multiply itself, on CPU), which the old ``native_dropout_backward``
+paid in every step. The random op runs once in forward, and nothing runs twice there: rewriting
+only the output's readers (leaving ``native_dropout`` to compute a product nobody read) cost
+a 6-layer GPT two extra passes over every dropout's tensor. This is
+bit-exact only if it reproduces the kernel's own draws and arithmetic, so for each (device,
+dtype, p) we check it once on a probe tensor and leave the op alone where it does not hold (e.g.
+half precision on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own
+way).
 """
 from __future__ import annotations
 
@@ -37,18 +47,51 @@ def _recompiled(joint: fx.GraphModule, changes: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _dropout_product_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
-    """Whether ``x * mask * (1 / (1 - p))`` equals ``native_dropout``'s output bit for bit."""
+def _dropout_split_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
+    """Whether NOTE [ Dropout: save the mask, recompute the product ]'s split draws the same
+    mask from the same random stream as ``native_dropout``, and its product and gradient equal
+    ``native_dropout``'s and ``native_dropout_backward``'s bit for bit."""
     if not 0.0 <= p < 1.0:
         return False
-    gen_state = torch.random.get_rng_state()
-    try:
-        x = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+    x = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+    grad = torch.linspace(-1.0, 5.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the user's streams are left as they were
+        torch.manual_seed(0)
         out, mask = aten.native_dropout(x, p, True)
-        remade = aten.mul.Scalar(aten.mul.Tensor(x, mask), 1.0 / (1.0 - p))
-        return bool(torch.equal(out, remade))
-    finally:
-        torch.random.set_rng_state(gen_state)
+        after = torch.rand(4, device=device)
+        torch.manual_seed(0)
+        split_mask, keep, split_out = _split_dropout(x, p)
+        split_after = torch.rand(4, device=device)
+    grad_in = aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
+    return bool(torch.equal(mask, split_mask) and torch.equal(out, split_out)
+                and torch.equal(after, split_after)
+                and torch.equal(grad_in, _split_dropout_grad(grad, keep, p)))
+
+
+def _eagerly(target, *args, **kwargs):
+    return target(*args, **kwargs)
+
+
+def _split_dropout(x, p: float, call=_eagerly):
+    """``native_dropout(x, p, True)`` as its draw and a product: ``(mask, keep, output)``, with
+    ``keep`` the mask as 0/1 of ``x``'s dtype. ``call`` applies each op (eagerly, or adding it
+    to a graph)."""
+    # The draw's output is the 1-byte mask itself: a random op's outputs can only be kept, never
+    # recomputed, so a float draw cast to bool would have had a "keep nothing" forward keep
+    # 4 bytes per element (the draws are the same: bernoulli fills a bool tensor from the
+    # same numbers).
+    like = call(aten.empty_like.default, x, dtype=torch.bool)
+    mask = call(aten.bernoulli.p, like, 1.0 - p)
+    keep = call(aten._to_copy.default, mask, dtype=x.dtype if isinstance(x, torch.Tensor)
+                else x.meta["val"].dtype)
+    kept = call(aten.mul.Tensor, x, keep)
+    return mask, keep, call(aten.mul.Scalar, kept, 1.0 / (1.0 - p))
+
+
+def _split_dropout_grad(grad, keep, p: float, call=_eagerly):
+    """``native_dropout_backward(grad, mask, 1 / (1 - p))`` from the mask as numbers."""
+    return call(aten.mul.Scalar, call(aten.mul.Tensor, grad, keep), 1.0 / (1.0 - p))
 
 
 def split_dropout(joint: fx.GraphModule) -> int:
@@ -70,25 +113,33 @@ def split_dropout(joint: fx.GraphModule) -> int:
         if train is False or not isinstance(val, torch.Tensor):
             continue
         with unset_fake_temporarily():
-            if not _dropout_product_is_exact(val.device.type, val.dtype, p):
+            if not _dropout_split_is_exact(val.device.type, val.dtype, p):
                 continue
         outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        out, mask = outs.get(0), outs.get(1)
-        if out is None or not out.users:
+        if outs.get(0) is None or not outs[0].users or len(outs) != len(node.users):
             continue
-        if mask is None:
-            with graph.inserting_after(node):
-                mask = graph.call_function(operator.getitem, (node, 1))
-                mask.meta = dict(node.meta)
-                mask.meta["val"] = node.meta["val"][1]
-        with graph.inserting_after(max(out, mask, key=lambda n: list(graph.nodes).index(n))):
-            kept = graph.call_function(aten.mul.Tensor, (x, mask))
-        with graph.inserting_after(kept):
-            product = graph.call_function(aten.mul.Scalar, (kept, 1.0 / (1.0 - p)))
-        for new in (kept, product):
-            new.meta = {k: v for k, v in out.meta.items() if k != "val"}
-            new.meta["val"] = out.meta["val"]
-        _replace(out, product)
+        out_val, mask_val = node.meta["val"]
+
+        def call(target, *args, at=node, **kwargs):
+            new = graph.call_function(target, args, kwargs)
+            new.meta = {k: v for k, v in at.meta.items() if k != "val"}
+            boolean = kwargs.get("dtype") is torch.bool or target is aten.bernoulli.p
+            new.meta["val"] = (mask_val if boolean else out_val if at is node
+                               else at.meta["val"])
+            return new
+
+        with graph.inserting_before(node):
+            mask, keep, product = _split_dropout(x, p, call)
+        _replace(outs[0], product)
+        if 1 in outs:
+            for user in list(outs[1].users):
+                if (user.target is aten.native_dropout_backward.default
+                        and user.args[1] is outs[1] and user.args[2] == 1.0 / (1.0 - p)):
+                    with graph.inserting_before(user):
+                        _replace(user, _split_dropout_grad(user.args[0], keep, p,
+                                                           functools.partial(call, at=user)))
+            _replace(outs[1], mask)
+        graph.erase_node(node)
         rewritten += 1
     return _recompiled(joint, rewritten)
 

@@ -1,0 +1,71 @@
+"""The joint-graph rewrites of :mod:`remat.passes`, on graphs traced the way AOTAutograd traces."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remat.passes import split_dropout
+
+aten = torch.ops.aten
+
+
+def _dropout_graph(dtype: torch.dtype, p: float):
+    def step(x, grad):
+        out, mask = aten.native_dropout(x, p, True)
+        scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)  # autograd's own formula
+        return out * 2.0, mask, aten.native_dropout_backward(grad, mask, scale)
+    x = torch.linspace(-2.0, 2.0, 3 * 1031, dtype=dtype).reshape(3, 1031)
+    grad = torch.linspace(5.0, -1.0, 3 * 1031, dtype=dtype).reshape(3, 1031)
+    return make_fx(step, tracing_mode="fake")(x, grad), step, (x, grad)
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_dropout_becomes_its_draw_and_a_product_with_the_same_numbers():
+    """NOTE [ Dropout: save the mask, recompute the product ]: after the split no
+    ``native_dropout`` is left (its discarded product cost two passes), the forward's readers
+    read a recomputable product of the bool mask, and under one seed the graph gives eager's
+    output and mask bit for bit and leaves the random stream where eager leaves it."""
+    gm, step, args = _dropout_graph(torch.float32, 0.1)
+    assert split_dropout(gm) == 1
+    targets = _targets(gm)
+    assert aten.native_dropout.default not in targets
+    # The gradient multiplies by the mask as numbers: no bool-to-float cast inside the multiply
+    # (one more pass over the tensor, in every backward).
+    assert aten.native_dropout_backward.default not in targets
+    assert aten.bernoulli.p in targets and aten._to_copy.default in targets
+    draw = next(n for n in gm.graph.nodes if n.target is aten.bernoulli.p)
+    assert draw.meta["val"].dtype is torch.bool  # a "keep nothing" forward keeps 1 byte per element
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    keep = mul.args[1]  # the mask as numbers, made from the 1-byte mask: recomputable from it
+    assert keep.target is aten._to_copy.default and keep.args[0].meta["val"].dtype is torch.bool
+    torch.manual_seed(3)
+    want, want_mask, want_grad = step(*args)
+    want_next = torch.rand(5)
+    torch.manual_seed(3)
+    got, got_mask, got_grad = gm(*args)
+    assert torch.equal(got_mask, want_mask) and torch.equal(got, want)
+    assert torch.equal(got_grad, want_grad)
+    assert torch.equal(torch.rand(5), want_next)
+    assert 0 < int(got_mask.sum()) < got_mask.numel()  # something was dropped, something kept
+
+
+@pytest.mark.parametrize("dtype, p", [(torch.bfloat16, 0.1), (torch.float32, 1.0)],
+                         ids=["bf16-rounds-differently", "p1"])
+def test_dropout_is_left_alone_where_the_split_is_not_exact(dtype, p):
+    gm, _, _ = _dropout_graph(dtype, p)
+    assert split_dropout(gm) == 0
+    assert aten.native_dropout.default in _targets(gm)
+
+
+def test_checking_the_split_leaves_the_users_random_stream_alone():
+    from remat import passes
+
+    passes._dropout_split_is_exact.cache_clear()
+    torch.manual_seed(11)
+    want = torch.rand(4)
+    torch.manual_seed(11)
+    gm, _, _ = _dropout_graph(torch.float64, 0.25)
+    assert split_dropout(gm) == 1
+    assert torch.equal(torch.rand(4), want)
