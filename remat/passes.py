@@ -57,16 +57,25 @@ def _dropout_split_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
     grad = torch.linspace(-1.0, 5.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the user's streams are left as they were
-        torch.manual_seed(0)
+        _seed(x.device)
         out, mask = aten.native_dropout(x, p, True)
         after = torch.rand(4, device=device)
-        torch.manual_seed(0)
+        _seed(x.device)
         split_mask, keep, split_out = _split_dropout(x, p)
         split_after = torch.rand(4, device=device)
     grad_in = aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
     return bool(torch.equal(mask, split_mask) and torch.equal(out, split_out)
                 and torch.equal(after, split_after)
                 and torch.equal(grad_in, _split_dropout_grad(grad, keep, p)))
+
+
+def _seed(device: torch.device) -> None:
+    """Seed the one random stream the probe draws from (other devices' are not forked)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(0)
+    else:
+        torch.random.default_generator.manual_seed(0)
 
 
 def _eagerly(target, *args, **kwargs):
