@@ -12,13 +12,12 @@ the solver chooses per dropout: keep ``keep`` (4 bytes, as eager does) and run b
 eager's speed, or keep ``mask`` (1 byte) and cast it again where backward needs it. Multiplying
 by a bool tensor casts it inside the multiply, a slow unvectorized pass (a 393K-element mask:
 ~300 us vs ~100 us for the multiply itself, on CPU), which the old ``native_dropout_backward``
-paid in every step. The random op runs once in forward, and nothing runs twice there: rewriting
-only the output's readers (leaving ``native_dropout`` to compute a product nobody read) cost
-a 6-layer GPT two extra passes over every dropout's tensor. This is
-bit-exact only if it reproduces the kernel's own draws and arithmetic, so for each (device,
-dtype, p) we check it once on a probe tensor and leave the op alone where it does not hold (e.g.
-half precision on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own
-way).
+paid in every step. The random op runs once in forward, and nothing runs twice there:
+rewriting only the output's readers (leaving ``native_dropout`` to compute a product nobody
+read) cost a 6-layer GPT two extra passes over every dropout's tensor. This is bit-exact only
+if it reproduces the kernel's own draws and arithmetic, so for each (device, dtype, p) we check
+it once on a probe tensor and leave the op alone where it does not hold (e.g. half precision
+on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own way).
 """
 from __future__ import annotations
 
