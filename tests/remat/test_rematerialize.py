@@ -298,6 +298,42 @@ def test_later_shapes_keep_the_byte_budget_and_never_fail():
         assert torch.equal(a, b)
 
 
+def test_a_schedule_in_use_is_kept_unless_another_is_clearly_faster(monkeypatch):
+    """NOTE [ A schedule in use is worth a little time ]: each schedule a run uses is one more
+    compile of the step, so a batch stays on one in use unless another fits and is predicted
+    more than 1% faster."""
+    from dataclasses import replace
+
+    model, (batch,) = make("mlp")
+    rm = remat.rematerialize(model, batch, budget="75%", time_limit=TIME_LIMIT)
+    shapes = rm.shapes
+    family = next(iter(shapes.families.values()))
+    solved = family.entries[0]
+    assert (family.key, tuple(batch.shape[:1])) in shapes.choices  # the example runs `solved`
+    schedule, plan = shapes.entries[solved].schedule, shapes.entries[solved].plan
+    # Two more schedules that fit wherever `solved` does (the same one), predicted faster.
+    near = shapes._add(family, schedule, plan, "0.5% faster")
+    far = shapes._add(family, schedule, plan, "5% faster")
+    speed = {near: 0.995, far: 0.95}
+    price = shapes.run_price
+
+    def priced(fam, entry, sizes):
+        sim = price(fam, entry, sizes)
+        if entry == family.entries[1]:  # the unmodified step, kept out of the way
+            return replace(sim, peak_bytes=10 * sim.peak_bytes)
+        return replace(sim, time=sim.time * speed.get(entry, 1.0))
+
+    monkeypatch.setattr(shapes, "run_price", priced)
+    small = batch.shape[0] // 2
+    assert shapes.choose(family.key, (small,)).entry == far
+    speed[far] = 0.999  # `near` is faster still, by less than the margin
+    assert shapes.choose(family.key, (small - 1,)).entry == far  # in use since (small,)
+    speed[far] = 1.02
+    assert shapes.choose(family.key, (small - 2,)).entry == solved
+    speed[near] = 0.9
+    assert shapes.choose(family.key, (small - 3,)).entry == near
+
+
 @pytest.fixture(scope="module")
 def traced_mlp_graph():
     model, batch = make("mlp")
