@@ -59,9 +59,9 @@ _EAGER_HEADROOM = 0.15
 # it again: ~0.8 of the first setup on a 2-layer GPT-2), while schedules solved for neighbouring
 # sizes are predicted within a percent of each other there (the bucket (4, 512)'s schedule and
 # (2, 487)'s at (8, 488): 232.4 vs 234.1 ms). A batch runs the fastest schedule that fits unless
-# one already in use (chosen for other sizes, or the unmodified step) fits and is predicted at
-# most _IN_USE_MARGIN slower: well inside the cost model's own error (predicted overheads are
-# within ~5 points of the measured ones), and it saves a compile.
+# one already in use (chosen for other sizes, or the unmodified step run eagerly) fits and is
+# predicted at most _IN_USE_MARGIN slower: well inside the cost model's own error (predicted
+# overheads are within ~5 points of the measured ones), and it saves a compile.
 _IN_USE_MARGIN = 0.01
 
 
@@ -233,6 +233,8 @@ class ShapePlans:
         self.families: dict[str, Family] = {}
         self.entries: list[Entry] = []
         self.choices: dict[tuple, Choice] = {}  # (family, sizes) -> choice
+        # Entries some batch runs, and the unmodified steps that run eagerly (no compile).
+        self.in_use: set[int] = set()
         self._warned: set[str] = set()
         # What the user measures, set with the first graph (NOTE [ A budget is what the user
         # measures ]); None: budgets apply to the compiled step's own peak.
@@ -249,8 +251,9 @@ class ShapePlans:
                           sized.graph)
         # NOTE [ The unmodified step runs eagerly ] where the eager step's peak can be priced.
         eager = self.reference is not None
-        self._add(family, save_all_schedule(sized.graph), None,
-                  "unmodified step" + (", run eagerly" if eager else ""), eager=eager)
+        unmodified = self._add(family, save_all_schedule(sized.graph), None,
+                               "unmodified step" + (", run eagerly" if eager else ""), eager=eager)
+        self.in_use.update((first, unmodified) if eager else (first,))
         self.choices[(key, sized.sizes)] = Choice(
             first, sized.sizes, plan.predicted_peak_bytes,
             plan.baseline_time_s * (1 + plan.predicted_overhead),
@@ -340,8 +343,7 @@ class ShapePlans:
         if fitting:
             _, entry, sim = min(fitting, key=lambda t: (t[0], t[1]))
             # NOTE [ A schedule in use is worth a little time ]
-            used = {c.entry for c in self.choices.values()} | {family.entries[1]}
-            in_use = [f for f in fitting if f[1] in used]
+            in_use = [f for f in fitting if f[1] in self.in_use]
             if in_use:
                 best_used = min(in_use, key=lambda t: (t[0], t[1]))
                 if best_used[0] <= sim.time * (1 + _IN_USE_MARGIN):
@@ -350,6 +352,7 @@ class ShapePlans:
         else:
             choice = self._solve_for(family, sizes, budget_bytes, priced)
         self.choices[(key, sizes)] = choice
+        self.in_use.add(choice.entry)
         return choice
 
     @staticmethod
