@@ -5,13 +5,16 @@ A random op can never be recomputed (its numbers would change), so whatever back
 it must be saved. ``native_dropout(x, p, train)`` returns ``(x * mask * scale, mask)``; saving the
 float output costs 4 bytes per element, the bool mask 1. We split the op into what is random and
 what is not: ``mask = bernoulli(empty_like(x, dtype=bool), 1 - p)`` (the draw, the same numbers
-from the same random stream as eager) and the output ``mul(mul(x, mask), scale)``, an ordinary
-recomputable op. The draw's output is the 1-byte mask itself: a random op's outputs can only be
-kept, never recomputed, so a float draw cast to bool would have had a "keep nothing" forward
-keep 4 bytes per element. The random op runs once in forward, and nothing runs twice there:
+from the same random stream as eager), ``keep = mask.to(x.dtype)`` and the output
+``mul(mul(x, keep), scale)``; ``native_dropout_backward(grad, mask, scale)`` becomes
+``mul(mul(grad, keep), scale)``. Everything after the draw is an ordinary recomputable op, so
+the solver chooses per dropout: keep ``keep`` (4 bytes, as eager does) and run backward at
+eager's speed, or keep ``mask`` (1 byte) and cast it again where backward needs it. Multiplying
+by a bool tensor casts it inside the multiply, a slow unvectorized pass (a 393K-element mask:
+~300 us vs ~100 us for the multiply itself, on CPU), which the old ``native_dropout_backward``
+paid in every step. The random op runs once in forward, and nothing runs twice there:
 rewriting only the output's readers (leaving ``native_dropout`` to compute a product nobody
-read) cost two extra passes over every dropout's tensor (``native_dropout`` 3.2-3.5 ms against
-2.9 ms for the draw alone on a 393K-element tensor, CPU). This is bit-exact only
+read) cost a 6-layer GPT two extra passes over every dropout's tensor. This is bit-exact only
 if it reproduces the kernel's own draws and arithmetic, so for each (device, dtype, p) we check
 it once on a probe tensor and leave the op alone where it does not hold (e.g. half precision
 on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own way).
@@ -45,21 +48,24 @@ def _recompiled(joint: fx.GraphModule, changes: int) -> int:
 @functools.lru_cache(maxsize=64)
 def _dropout_split_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
     """Whether NOTE [ Dropout: save the mask, recompute the product ]'s split draws the same
-    mask from the same random stream as ``native_dropout``, and its product equals the output
-    bit for bit."""
+    mask from the same random stream as ``native_dropout``, and its product and gradient equal
+    ``native_dropout``'s and ``native_dropout_backward``'s bit for bit."""
     if not 0.0 <= p < 1.0:
         return False
     x = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+    grad = torch.linspace(-1.0, 5.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the user's streams are left as they were
         _seed(x.device)
         out, mask = aten.native_dropout(x, p, True)
         after = torch.rand(4, device=device)
         _seed(x.device)
-        split_mask, split_out = _split_dropout(x, p)
+        split_mask, keep, split_out = _split_dropout(x, p)
         split_after = torch.rand(4, device=device)
+    grad_in = aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
     return bool(torch.equal(mask, split_mask) and torch.equal(out, split_out)
-                and torch.equal(after, split_after))
+                and torch.equal(after, split_after)
+                and torch.equal(grad_in, _split_dropout_grad(grad, keep, p)))
 
 
 def _seed(device: torch.device) -> None:
@@ -76,13 +82,24 @@ def _eagerly(target, *args, **kwargs):
 
 
 def _split_dropout(x, p: float, call=_eagerly):
-    """``native_dropout(x, p, True)`` as its draw and a product: ``(mask, output)``. ``call``
-    applies each op (eagerly, or adding it to a graph)."""
-    # bernoulli fills a bool tensor from the same numbers as native_dropout's float draw.
+    """``native_dropout(x, p, True)`` as its draw and a product: ``(mask, keep, output)``, with
+    ``keep`` the mask as 0/1 of ``x``'s dtype. ``call`` applies each op (eagerly, or adding it
+    to a graph)."""
+    # The draw's output is the 1-byte mask itself: a random op's outputs can only be kept, never
+    # recomputed, so a float draw cast to bool would have had a "keep nothing" forward keep
+    # 4 bytes per element (the draws are the same: bernoulli fills a bool tensor from the
+    # same numbers).
     like = call(aten.empty_like.default, x, dtype=torch.bool)
     mask = call(aten.bernoulli.p, like, 1.0 - p)
-    kept = call(aten.mul.Tensor, x, mask)
-    return mask, call(aten.mul.Scalar, kept, 1.0 / (1.0 - p))
+    keep = call(aten._to_copy.default, mask, dtype=x.dtype if isinstance(x, torch.Tensor)
+                else x.meta["val"].dtype)
+    kept = call(aten.mul.Tensor, x, keep)
+    return mask, keep, call(aten.mul.Scalar, kept, 1.0 / (1.0 - p))
+
+
+def _split_dropout_grad(grad, keep, p: float, call=_eagerly):
+    """``native_dropout_backward(grad, mask, 1 / (1 - p))`` from the mask as numbers."""
+    return call(aten.mul.Scalar, call(aten.mul.Tensor, grad, keep), 1.0 / (1.0 - p))
 
 
 def split_dropout(joint: fx.GraphModule) -> int:
@@ -111,18 +128,25 @@ def split_dropout(joint: fx.GraphModule) -> int:
             continue
         out_val, mask_val = node.meta["val"]
 
-        def call(target, *args, **kwargs):
+        def call(target, *args, at=node, **kwargs):
             new = graph.call_function(target, args, kwargs)
-            new.meta = {k: v for k, v in node.meta.items() if k != "val"}
+            new.meta = {k: v for k, v in at.meta.items() if k != "val"}
             boolean = kwargs.get("dtype") is torch.bool or target is aten.bernoulli.p
-            new.meta["val"] = mask_val if boolean else out_val
+            new.meta["val"] = (mask_val if boolean else out_val if at is node
+                               else at.meta["val"])
             return new
 
         with graph.inserting_before(node):
-            mask, product = _split_dropout(x, p, call)
-        for index, replacement in ((0, product), (1, mask)):
-            if index in outs:
-                _replace(outs[index], replacement)
+            mask, keep, product = _split_dropout(x, p, call)
+        _replace(outs[0], product)
+        if 1 in outs:
+            for user in list(outs[1].users):
+                if (user.target is aten.native_dropout_backward.default
+                        and user.args[1] is outs[1] and user.args[2] == 1.0 / (1.0 - p)):
+                    with graph.inserting_before(user):
+                        _replace(user, _split_dropout_grad(user.args[0], keep, p,
+                                                           functools.partial(call, at=user)))
+            _replace(outs[1], mask)
         graph.erase_node(node)
         rewritten += 1
     return _recompiled(joint, rewritten)

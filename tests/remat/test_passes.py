@@ -31,11 +31,15 @@ def test_dropout_becomes_its_draw_and_a_product_with_the_same_numbers():
     assert split_dropout(gm) == 1
     targets = _targets(gm)
     assert aten.native_dropout.default not in targets
-    assert aten.bernoulli.p in targets
+    # The gradient multiplies by the mask as numbers: no bool-to-float cast inside the multiply
+    # (one more pass over the tensor, in every backward).
+    assert aten.native_dropout_backward.default not in targets
+    assert aten.bernoulli.p in targets and aten._to_copy.default in targets
     draw = next(n for n in gm.graph.nodes if n.target is aten.bernoulli.p)
     assert draw.meta["val"].dtype is torch.bool  # a "keep nothing" forward keeps 1 byte per element
     mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
-    assert mul.args[1].meta["val"].dtype is torch.bool  # the product reads the 1-byte mask
+    keep = mul.args[1]  # the mask as numbers, made from the 1-byte mask: recomputable from it
+    assert keep.target is aten._to_copy.default and keep.args[0].meta["val"].dtype is torch.bool
     torch.manual_seed(3)
     want, want_mask, want_grad = step(*args)
     want_next = torch.rand(5)
