@@ -409,7 +409,7 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
         "peak_lower_bound(graph)\n"
         "print('solving', flush=True)\n"
         "try:\n"
-        f"    get_solver({solver!r}).solve(Problem(graph, int(low + 0.3 * (base - low)), "
+        f"    get_solver({solver!r}).solve(Problem(graph, int(low + 0.2 * (base - low)), "
         "time_limit=120, options={'progress': False, 'exact_top': True}))\n"
         "    print('finished', flush=True)\n"
         "except KeyboardInterrupt:\n"
@@ -419,7 +419,9 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
                              stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "solving", child.stderr.read()
-        time.sleep(3.0)  # well inside the solve (the ILP alone needs > 15 s on this graph)
+        # Well inside the solve: the ILP alone runs past 40 s on this graph and budget (at 0.3
+        # of the way from the lower bound, HiGHS 1.16 proves it optimal in 2.3 s).
+        time.sleep(3.0)
         assert child.poll() is None, "the solve ended before the interrupt; the test proves nothing"
         sent = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
         child.send_signal(signal.SIGINT)
@@ -454,7 +456,8 @@ def test_time_limit_caps_the_solve():
     assert took <= 2.0 + first + 0.5, f"time_limit=2 took {took:.2f} s (one hierarchy: {first:.2f} s)"
     # ... and says so: work was cut, so this schedule may differ from run to run.
     assert result.status == "time_limit"
-    assert "cut by the time limit: hierarchies not run" in result.detail, result.detail
+    cuts = result.detail.split("cut by the time limit: ")[-1]  # in the order they happened
+    assert "hierarchies not run" in cuts, result.detail
 
 
 @pytest.mark.parametrize("graph", [
