@@ -21,7 +21,7 @@ import torch.fx as fx
 from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, graph_key
 from .errors import RematError, ScheduleError, SolverError
-from .codegen import boxed, generate_modules
+from .codegen import boxed, direct_calls, generate_modules
 from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
@@ -46,7 +46,7 @@ _CACHE_TOLERANCE = 0.01
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    return boxed(gm)
+    return boxed(direct_calls(gm))
 
 
 class RematBackend:
