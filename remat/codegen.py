@@ -148,8 +148,8 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     of a chunk's end, every op call maps a fresh chunk and unmaps it again. Whether that happens
     depends only on how deep the caller's stack is: on a 12-layer GPT at 50% the same module's
     step took 260 ms instead of 197 ms (1,353 page faults a step instead of 7) when called with
-    a 15 KiB deeper stack, and ``python -m benchmarks.remat_solvers`` measured +15-22% where a
-    script importing it measured +4-8%. Calling ``OpOverload._op`` (what ``__call__`` calls,
+    a 15 KiB deeper stack, and ``python -m benchmarks.remat_solvers`` measured +12-30% where a
+    script importing it measured +4-9%. Calling ``OpOverload._op`` (what ``__call__`` calls,
     a builtin) through a :func:`functools.partial` (called in C) leaves no Python frame per op.
     """
     calls: dict[torch._ops.OpOverload, functools.partial] = {}
