@@ -44,7 +44,7 @@ from ..schedule import Schedule, Simulation, simulate
 from ..segments import Chain
 from ..subgraph import Subgraph
 from .base import time_cut
-from .ilp import MIP_STEP_GAP, _binary_factory, make_mip_solver
+from .ilp import _binary_factory, make_mip_solver, step_gap
 from .options import BlockOptions
 from .upper import assemble  # the chain DP's merge step serves both upper levels
 
@@ -410,7 +410,7 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
     worth_more = max(step, budget // 20)
     # NOTE [ The gap that matters ] holds here too: a MIP is done within 1% of the step time.
     # U-Net at 50%: the one MIP 2.7 s -> 2.0 s, the same schedule (and the same at 80-40%).
-    gap = _OBJECTIVE_SCALE * MIP_STEP_GAP * sum(op.time for op in graph.ops)
+    gap = step_gap(graph, _OBJECTIVE_SCALE)
     capacity, best = budget, None
     ceilings: dict[tuple[str, int], int] = {}  # bytes the model may count, by place
     for _ in range(attempts):
@@ -437,7 +437,7 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
         elif sim.peak_bytes > budget:
             place = _peak_place(graph, subs, schedule, sim)
             missed = sim.peak_bytes - budget + max(1, budget // 200)
-            if place is None or place not in model.limits:
+            if place is None:
                 capacity -= missed
             else:  # below what this solution uses there, whatever the capacity
                 ceilings[place] = model.used(place) - missed

@@ -148,6 +148,13 @@ def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | No
                              gapAbs=gap_abs)
 
 
+def step_gap(graph: RematGraph, objective_scale: float) -> float:
+    """NOTE [ The gap that matters ]: ``MIP_STEP_GAP`` of ``graph``'s step time (its ops' time,
+    forward and backward), in the units of an objective that counts seconds times
+    ``objective_scale``: the absolute gap at which a MIP's solution is good enough."""
+    return objective_scale * MIP_STEP_GAP * sum(op.time for op in graph.ops)
+
+
 _QUIET_LOCK = threading.Lock()
 _quiet_depth = 0
 _quiet_saved: int | None = None
@@ -392,8 +399,7 @@ class ILPSolver:
         remaining = problem.time_limit - (time.perf_counter() - started)
         mip = make_mip_solver(remaining, msg=bool(problem.options.get("msg", False)),
                               max_nodes=problem.options.get("max_nodes"),
-                              gap_abs=model.objective_scale * MIP_STEP_GAP * sum(
-                                  op.time for op in graph.ops))
+                              gap_abs=step_gap(graph, model.objective_scale))
         prob.solve(mip)
         status = pulp.LpStatus[prob.status]
         solution = pulp.constants.LpSolution.get(prob.sol_status, str(prob.sol_status))
