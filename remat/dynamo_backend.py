@@ -148,12 +148,10 @@ class RematBackend:
         # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
         # cached schedule against the budget) need the measured scratch memory.
         primals = self._primals(gm, real_inputs, joint)
-        workspaces = None
         if self.measure and primals is not None:
-            times, workspaces = measure_op_times(lowered, joint, primals)
+            graph = lowered.graph.with_times(*measure_op_times(lowered, joint, primals))
         else:
-            times = model_op_times(lowered)
-        graph = lowered.graph.with_times(times, workspaces)
+            graph = lowered.graph.with_times(model_op_times(lowered))
         budget = self.budget
         if not self.shapes.families and self.eager is not None:
             # NOTE [ A budget is what the user measures ]: the example's eager step, measured

@@ -77,6 +77,9 @@ class Op:
             with the same signature do the same work.
         workspace: Extra bytes the op allocates temporarily while it runs (scratch buffers
             the graph does not show), measured when profiling.
+        rerun_time: Seconds it takes when it runs again in backward (its inputs and output
+            memory in cache), ``None`` for :attr:`time` (NOTE [ What a recomputation costs ]
+            in :mod:`remat.costs`).
     """
 
     name: str
@@ -88,6 +91,12 @@ class Op:
     module: str = ""
     signature: str = ""
     workspace: int = 0
+    rerun_time: float | None = None
+
+    @property
+    def recompute_cost(self) -> float:
+        """Seconds one recomputation of this op adds to the step."""
+        return self.time if self.rerun_time is None else self.rerun_time
 
 
 class FlatGraph(NamedTuple):
@@ -97,6 +106,7 @@ class FlatGraph(NamedTuple):
     inputs: tuple[tuple[int, ...], ...]  # per op
     outputs: tuple[tuple[int, ...], ...]  # per op
     times: tuple[float, ...]  # per op
+    recompute_costs: tuple[float, ...]  # per op: Op.recompute_cost
     workspaces: tuple[int, ...]  # per op
     recomputable: tuple[bool, ...]  # per op
     alias_of: tuple[int, ...]  # per value: the value whose storage it shares, or -1
@@ -187,6 +197,7 @@ class RematGraph:
             inputs=tuple(op.inputs for op in self.ops),
             outputs=tuple(op.outputs for op in self.ops),
             times=tuple(op.time for op in self.ops),
+            recompute_costs=tuple(op.recompute_cost for op in self.ops),
             workspaces=tuple(op.workspace for op in self.ops),
             recomputable=tuple(op.recomputable for op in self.ops),
             alias_of=tuple(-1 if v.alias_of is None else v.alias_of for v in self.values),
@@ -200,10 +211,14 @@ class RematGraph:
         """Time of the unmodified step (every op once)."""
         return sum(op.time for op in self.ops)
 
-    def with_times(self, times: list[float], workspaces: list[int] | None = None) -> "RematGraph":
-        """A copy with measured times (and extra measured workspace bytes) filled in."""
+    def with_times(self, times: list[float], workspaces: list[int] | None = None,
+                   rerun_times: list[float] | None = None) -> "RematGraph":
+        """A copy with measured times (and extra measured workspace bytes, and the times of
+        ops run again) filled in."""
         ops = tuple(
-            replace(op, time=float(t), workspace=op.workspace + (int(workspaces[i]) if workspaces else 0))
+            replace(op, time=float(t),
+                    workspace=op.workspace + (int(workspaces[i]) if workspaces else 0),
+                    rerun_time=float(rerun_times[i]) if rerun_times is not None else None)
             for i, (op, t) in enumerate(zip(self.ops, times))
         )
         return replace(self, ops=ops)

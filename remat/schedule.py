@@ -206,7 +206,7 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
     saved_bytes = sum(values[r].nbytes for r in {root[v] for v in schedule.saved} - pinned)
     live = list(itertools.accumulate(delta[:end + 1]))
 
-    times, workspaces = flat.times, flat.workspaces
+    times, costs, workspaces = flat.times, flat.recompute_costs, flat.workspaces
     fwd_peak = bwd_peak = 0
     peak_at = ("fwd", 0)
     time = recompute = 0.0
@@ -219,9 +219,11 @@ def simulate(graph: RematGraph, schedule: Schedule) -> Simulation:
                 peak_at = ("fwd", pos)
     for k, i in enumerate(backward):
         here = live[boundary + 1 + k] + workspaces[i]
-        time += times[i]
-        if i < nf:
-            recompute += times[i]
+        if i < nf:  # NOTE [ What a recomputation costs ]
+            time += costs[i]
+            recompute += costs[i]
+        else:
+            time += times[i]
         if here > bwd_peak:
             bwd_peak = here
             if here >= fwd_peak:

@@ -149,7 +149,9 @@ class SizedGraph:
         for op in graph.ops:
             before, after = touched(op, old), touched(op, nbytes)
             scale = after / before if before > 0 else 1.0
-            ops.append(replace(op, time=op.time * scale, workspace=int(op.workspace * scale)))
+            ops.append(replace(op, time=op.time * scale, workspace=int(op.workspace * scale),
+                               rerun_time=None if op.rerun_time is None
+                               else op.rerun_time * scale))
         values = tuple(replace(v, nbytes=n) if v.nbytes != n else v
                        for v, n in zip(graph.values, nbytes))
         result = replace(graph, ops=tuple(ops), values=values)

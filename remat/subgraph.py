@@ -75,7 +75,7 @@ def extract_subgraph(graph: RematGraph, forward_ops: Iterable[int], backward_ops
             add(v, Value(src.name, src.kind, k, src.nbytes, alias))
         ops.append(Op(op.name, op.phase, tuple(local[v] for v in op.inputs),
                       tuple(local[v] for v in op.outputs), op.time, op.recomputable, op.module,
-                      op.signature, op.workspace))
+                      op.signature, op.workspace, op.rerun_time))
 
     users = graph.users
     global_fwd_out = set(graph.forward_outputs)

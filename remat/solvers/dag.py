@@ -168,7 +168,7 @@ def block_dag(graph: RematGraph, chain: Chain, subs: list[Subgraph],
         last_forward_reader=tuple(last_fwd),
         first_reader=first_reader,
         option_forward_time=tuple(
-            tuple(sum(sub.graph.ops[i].time for i in o.forward) for o in opts.options)
+            tuple(sum(sub.graph.ops[i].recompute_cost for i in o.forward) for o in opts.options)
             for sub, opts in zip(subs, options)),
         backward_base=tuple(bwd_base),
         forward_base=fwd_base,

@@ -311,7 +311,7 @@ class _Model:
             return K[t][v] + r if r is not None else K[t][v]
 
         scale = self.objective_scale
-        prob += pulp.lpSum(scale * ops[i].time * var for t in range(n) for i, var in R[t].items())
+        prob += pulp.lpSum(scale * ops[i].recompute_cost * var for t in range(n) for i, var in R[t].items())
         for v, var in s.items():
             prob += K[0][v] <= var
         for t in range(n):

@@ -82,9 +82,11 @@ class BlockOptions:
 
     Attributes:
         options: Non-dominated options, fewest bytes kept first.
-        forward_time: Seconds of the block's whole forward.
+        forward_time: Seconds of the block's whole forward, each op at its
+            :attr:`~remat.graph.Op.recompute_cost` (what the solvers weigh are the forwards run
+            again; the first one, the same in every schedule, shifts every total alike).
         nosave_forward: Forward ops needed just to produce the block's outputs.
-        nosave_time: Seconds of those.
+        nosave_time: Seconds of those (priced the same way).
         nosave_peak: Peak while they run (nothing kept).
     """
 
@@ -189,7 +191,8 @@ def _own_bytes(sub: RematGraph, saved: frozenset[int]) -> int:
 def option_from_schedule(sub: RematGraph, name: str, schedule: Schedule) -> BlockOption:
     """Price a schedule of a block as a :class:`BlockOption` (by simulating it)."""
     sim = simulate(sub, schedule)
-    backward_time = sum(sub.ops[i].time for i in schedule.backward)
+    backward_time = sum(sub.ops[i].recompute_cost if i < sub.num_forward else sub.ops[i].time
+                        for i in schedule.backward)
     return BlockOption(
         name=name,
         forward=schedule.forward,
@@ -291,9 +294,9 @@ class _OptionProblems:
         keep_nothing = self.candidates[1]
         return BlockOptions(
             options=pareto(candidates),
-            forward_time=sum(sub.ops[i].time for i in sub.forward_ops),
+            forward_time=sum(sub.ops[i].recompute_cost for i in sub.forward_ops),
             nosave_forward=nosave,
-            nosave_time=sum(sub.ops[i].time for i in nosave),
+            nosave_time=sum(sub.ops[i].recompute_cost for i in nosave),
             nosave_peak=keep_nothing.forward_peak,
         )
 

@@ -63,7 +63,7 @@ def polish(graph: RematGraph, schedule: Schedule, budget_bytes: int, *,
         return sum(values[v].nbytes for v in ops[i].outputs if root[v] == v)
 
     candidates = [i for i, n in counts.items() if ops[i].time > 0 and not _is_view(graph, i)]
-    candidates.sort(key=lambda i: (-counts[i] * ops[i].time / max(1, own_bytes(i)), i))
+    candidates.sort(key=lambda i: (-counts[i] * ops[i].recompute_cost / max(1, own_bytes(i)), i))
     best = schedule
     last_kept = 0
     for trials, i in enumerate(candidates):

@@ -285,7 +285,7 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
     base = simulate(graph, save_all_schedule(graph)).peak_bytes
     torch._dynamo.reset()
     rm = remat.rematerialize(model, x, budget=int(0.92 * base), time_limit=TIME_LIMIT)
-    assert rm.plan.predicted_overhead > 0  # something is recomputed
+    assert rm.plan.num_recomputed > 0
     step(ref, (x,))
     step(rm, (x,))
     for a, b in zip(grads(ref), grads(model)):

@@ -35,6 +35,22 @@ def test_recomputing_trades_time_for_memory():
     assert schedule.recompute_count(graph) == 1
 
 
+def test_a_recomputation_costs_the_ops_rerun_time():
+    # NOTE [ What a recomputation costs ] (remat/costs.py): the unmodified step's ops cost
+    # their time, a recomputed op its ``rerun_time``.
+    import dataclasses
+
+    graph = chain([1.0, 5.0, 1.0], act=A, grad=D)
+    ops = list(graph.ops)
+    ops[0] = dataclasses.replace(ops[0], rerun_time=0.25)
+    graph = dataclasses.replace(graph, ops=tuple(ops))
+    a2 = next(i for i, v in enumerate(graph.values) if v.name == "a2")
+    sim = simulate(graph, on_demand_schedule(graph, saved={a2}))
+    assert sim.recompute_time == pytest.approx(0.25)
+    assert sim.time == pytest.approx(graph.baseline_time + 0.25)
+    assert simulate(graph, save_all_schedule(graph)).time == pytest.approx(graph.baseline_time)
+
+
 def test_missing_value_is_rejected_with_its_name():
     graph = chain([1.0, 1.0, 1.0])
     everything = save_all_schedule(graph)

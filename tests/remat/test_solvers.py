@@ -43,6 +43,24 @@ def test_known_optimum_drop_the_cheap_activation(solver):
     assert result.objective == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("solver", ["ilp", "hierarchical", "dp"])
+def test_a_recomputation_is_weighed_at_its_rerun_price(solver):
+    # At this budget recomputing f1 (peak 510) or f2 (520) fits. By the unmodified step's
+    # times f1 (0.5) is cheaper than f2 (1.0); run again in backward f2 costs 0.1 (NOTE
+    # [ What a recomputation costs ]): the solvers weigh what the step will pay.
+    import dataclasses
+
+    graph = chain([0.5, 1.0, 1.0, 1.0], act=A, grad=D)
+    ops = list(graph.ops)
+    ops[1] = dataclasses.replace(ops[1], rerun_time=0.1)
+    graph = dataclasses.replace(graph, ops=tuple(ops))
+    result = get_solver(solver).solve(Problem(graph, 5 * A + 2 * D, time_limit=30,
+                                              options={"progress": False}))
+    assert [graph.ops[i].name for i in result.schedule.backward if i < graph.num_forward] \
+        == ["f2"]
+    assert result.objective == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("solver", ["ilp", "hierarchical", "dp", "checkpoint", "none"])
 def test_infeasible_budget_is_reported_not_hidden(solver):
     graph = chain([1.0] * 4, act=A, grad=D)
