@@ -82,7 +82,7 @@ def test_scale_predictions_and_measurements(scale_text):
         assert math.isfinite(overhead) and overhead >= 0, r
         assert abs(measured_peak / predicted - 1) <= MEASURED_PEAK_TOLERANCE, r
         # The step-time ratio to eager (1 + overhead) is a positive finite number, the product
-        # of the compiled step's over eager's and the rematerialized step's over that one.
+        # of the unmodified captured step's over eager's and the rematerialized step's over it.
         runtime, recompute = number(r[10]), number(r[11])
         for ratio in (measured_overhead, runtime, recompute):
             assert math.isfinite(ratio) and 1 + ratio / 100 > 0, r
