@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
 import remat
+from remat.costs import _page_fault_counter
 from remat.module import _own_step  # a frame of its own: NOTE [ Owning the compiled frames ]
 from benchmarks.models import GPT, GPTConfig, ResNet, UNet, gpt_batch, image_batch
 
@@ -158,9 +159,11 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
 
 
 def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], steps: int,
-                    device: str = "cpu") -> list[float]:
+                    device: str = "cpu", faults: list[float] | None = None) -> list[float]:
     """Median seconds of a training step of each ``(model, run)``, the models taking turns
-    step by step so that all see the same machine load.
+    step by step so that all see the same machine load. ``faults``, if given, receives the
+    median minor page faults of each one's steps (on CPU, glibc handing memory back to the
+    system between steps: NOTE [ Page faults are not an op's cost ] in remat/costs.py).
 
     Timed one after the other, the same 24-layer GPT's eager step measured 2x slower than its
     checkpointed one (the load had changed between them). The garbage collector is off while
@@ -168,7 +171,9 @@ def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], st
     full collection landing in one step added ~0.2 s to a few-millisecond step.
     """
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    page_faults = _page_fault_counter()
     times: list[list[float]] = [[] for _ in runs]
+    counts: list[list[int]] = [[] for _ in runs]
     gc.collect()
     gc.disable()
     try:
@@ -177,12 +182,16 @@ def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], st
                 for p in model.parameters():
                     p.grad = None
                 sync()
+                before = page_faults()
                 start = time.perf_counter()
                 run().backward()
                 sync()
                 times[k].append(time.perf_counter() - start)
+                counts[k].append(page_faults() - before)
     finally:
         gc.enable()
+    if faults is not None:
+        faults[:] = [statistics.median(c) for c in counts]
     return [statistics.median(t) for t in times]
 
 
