@@ -6,7 +6,7 @@ charged to the parent); values it produces that the outside reads become its out
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from .graph import Op, RematGraph, Value, ValueKind
@@ -73,9 +73,9 @@ def extract_subgraph(graph: RematGraph, forward_ops: Iterable[int], backward_ops
             src = graph.values[v]
             alias = local.get(src.alias_of) if src.alias_of is not None else None
             add(v, Value(src.name, src.kind, k, src.nbytes, alias))
-        ops.append(Op(op.name, op.phase, tuple(local[v] for v in op.inputs),
-                      tuple(local[v] for v in op.outputs), op.time, op.recomputable, op.module,
-                      op.signature, op.workspace, op.rerun_time))
+        # every other field (times, flags, module, signature) as the op has it
+        ops.append(replace(op, inputs=tuple(local[v] for v in op.inputs),
+                           outputs=tuple(local[v] for v in op.outputs)))
 
     users = graph.users
     global_fwd_out = set(graph.forward_outputs)
