@@ -148,11 +148,11 @@ def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | No
                              gapAbs=gap_abs)
 
 
-def step_gap(graph: RematGraph, objective_scale: float) -> float:
-    """NOTE [ The gap that matters ]: ``MIP_STEP_GAP`` of ``graph``'s step time (its ops' time,
-    forward and backward), in the units of an objective that counts seconds times
-    ``objective_scale``: the absolute gap at which a MIP's solution is good enough."""
-    return objective_scale * MIP_STEP_GAP * sum(op.time for op in graph.ops)
+def step_gap(graph: RematGraph, objective_scale: float, share: float = MIP_STEP_GAP) -> float:
+    """NOTE [ The gap that matters ]: ``share`` of ``graph``'s step time (its ops' time, forward
+    and backward), in the units of an objective that counts seconds times ``objective_scale``:
+    the absolute gap at which a MIP's solution is good enough."""
+    return objective_scale * share * sum(op.time for op in graph.ops)
 
 
 _QUIET_LOCK = threading.Lock()

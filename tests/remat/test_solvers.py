@@ -145,6 +145,41 @@ def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
     assert with_gap.simulation.time <= exact.simulation.time + ilp.MIP_STEP_GAP * step + 1e-12
 
 
+def test_block_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
+    """The block ILP stops within ``dag._STEP_GAP`` (2%) of the step time: its first MIP's
+    objective is within that of the same MIP solved with no absolute gap."""
+    from remat.solvers import dag
+
+    graph = unet(levels=3, act=A, grad=D)
+    problem = Problem(graph, int(0.6 * baseline(graph)), options={"progress": False})
+    models, gaps = [], []
+
+    class Recorded(dag._BlockModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            models.append(self)
+
+    real = dag.make_mip_solver
+
+    def spy(time_limit, *, gap_abs=None, **kwargs):
+        gaps.append(gap_abs)
+        return real(time_limit, gap_abs=gap_abs, **kwargs)
+
+    monkeypatch.setattr(dag, "_BlockModel", Recorded)
+    monkeypatch.setattr(dag, "make_mip_solver", spy)
+    get_solver("hierarchical").solve(problem)
+    assert models, "no block ILP ran: the test proves nothing"
+    step = sum(op.time for op in graph.ops)
+    assert gaps[0] == pytest.approx(1e6 * dag._STEP_GAP * step)
+    with_gap = models[0].prob.objective.value()
+    models.clear()
+    monkeypatch.setattr(dag, "make_mip_solver",
+                        lambda time_limit, *, gap_abs=None, **kw: real(time_limit, **kw))
+    get_solver("hierarchical").solve(problem)
+    exact = models[0].prob.objective.value()
+    assert with_gap <= exact + gaps[0] + 1e-6  # the optimum is at most the gap-free answer
+
+
 def test_polish_stops_after_a_run_of_misses(monkeypatch):
     import remat.solvers.polish as polish_module
 
