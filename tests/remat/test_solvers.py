@@ -393,6 +393,34 @@ def test_mip_node_limit_returns_the_incumbent_not_a_crash():
     assert all(sum(c * x for c, x in zip(weights, chosen)) <= cap for weights, cap in rows)
 
 
+def test_few_nodes_branch_on_pseudo_costs_from_the_start():
+    """NOTE [ Branching when nodes are few ]: a MIP bounded to a few dozen nodes skips strong
+    branching (it would spend the bound on it); larger bounds and unbounded MIPs keep it. The
+    option reaches HiGHS itself."""
+    highspy = pytest.importorskip("highspy")
+    import pulp
+
+    from remat.solvers.ilp import _FEW_NODES, _binary_factory, make_mip_solver, quiet_stdout
+
+    def _option(highs, name):
+        value = highs.getOptionValue(name)
+        return value[1] if isinstance(value, tuple) else value  # (status, value) in highspy 1.16
+
+    def reliability(max_nodes):
+        prob = pulp.LpProblem("tiny", pulp.LpMaximize)
+        x = _binary_factory(prob)("x")
+        prob += x
+        with quiet_stdout():
+            prob.solve(make_mip_solver(10, max_nodes=max_nodes))
+        assert isinstance(prob.solverModel, highspy.Highs) and x.value() == 1
+        return _option(prob.solverModel, "mip_pscost_minreliable")
+
+    default = _option(highspy.Highs(), "mip_pscost_minreliable")
+    assert default > 0
+    assert reliability(50) == reliability(_FEW_NODES) == 0
+    assert reliability(_FEW_NODES + 1) == reliability(2_000) == reliability(None) == default
+
+
 def test_one_progress_bar_per_solve_with_its_phases_as_total(monkeypatch):
     """Issue 13: one bar per solve, with a known total, labelled phases and the time limit."""
     import tqdm.auto
