@@ -148,8 +148,10 @@ def make_mip_solver(time_limit: float, *, msg: bool = False, max_nodes: int | No
     """HiGHS when ``highspy`` is installed (much faster), else PuLP's bundled CBC.
 
     ``max_nodes`` bounds the branch-and-bound work (HiGHS only): unlike a time limit, the answer
-    then does not depend on how busy the machine is. ``gap_abs``: an absolute gap in objective
-    units at which a solution is also optimal (beside the relative ``MIP_REL_GAP``).
+    then does not depend on how busy the machine is; a bound of at most ``_FEW_NODES`` also
+    turns strong branching off (NOTE [ Branching when nodes are few ]). ``gap_abs``: an
+    absolute gap in objective units at which a solution is also optimal (beside the relative
+    ``MIP_REL_GAP``).
     """
     limit = max(1.0, float(time_limit))
     extra = {"mip_max_nodes": int(max_nodes)} if max_nodes is not None else {}
