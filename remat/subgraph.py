@@ -72,7 +72,7 @@ def extract_subgraph(graph: RematGraph, forward_ops: Iterable[int], backward_ops
         for v in op.outputs:
             src = graph.values[v]
             alias = local.get(src.alias_of) if src.alias_of is not None else None
-            add(v, Value(src.name, src.kind, k, src.nbytes, alias))
+            add(v, replace(src, producer=k, alias_of=alias))  # kind, size, scalar as they are
         # every other field (times, flags, module, signature) as the op has it
         ops.append(replace(op, inputs=tuple(local[v] for v in op.inputs),
                            outputs=tuple(local[v] for v in op.outputs)))

@@ -156,6 +156,20 @@ def test_ilp_counts_the_base_a_view_reading_a_size_keeps():
         assert result.simulation.peak_bytes <= budget, fraction
 
 
+def test_a_block_keeps_its_sizes_scalar():
+    """A block cut out of a graph keeps every field of its values (``scalar`` included), so the
+    leaf ILPs anchor its size-reading views at their bases as the whole-graph ILP does."""
+    from remat.solvers.ilp import anchors
+
+    graph = _views_reading_sizes()
+    nf = graph.num_forward
+    sub = extract_subgraph(graph, range(nf), range(nf, len(graph.ops))).graph
+    assert [v.name for v in sub.values if v.scalar] == ["sym_size"]
+    anchor = anchors(sub)
+    views = [v for v, value in enumerate(sub.values) if value.alias_of is not None]
+    assert views and all(anchor[v] == sub.values[v].alias_of for v in views)
+
+
 def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
     """NOTE [ The gap that matters ]: the MIP may stop within 0.5% of the graph's step time (the
     objective counts microseconds of recomputation), and what it returns is that close to the
