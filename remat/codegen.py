@@ -24,7 +24,7 @@ import torch.fx as fx
 from .errors import internal_assert
 from .graph import ValueKind
 from .lowering import Lowered
-from .schedule import Schedule
+from .schedule import Schedule, save_storages
 from .symbolic import is_symbolic_scalar
 
 __all__ = ["generate_modules", "backward_reads", "direct_calls"]
@@ -130,6 +130,7 @@ def generate_modules(lowered: Lowered, schedule: Schedule, joint: fx.GraphModule
     Returns:
         ``(forward, backward)`` graph modules with AOTAutograd's calling convention.
     """
+    schedule = save_storages(lowered.graph, schedule)  # NOTE [ Save storages, not views ]
     saved = [lowered.value_nodes[v] for v in backward_reads(lowered, schedule)]
     primals, fw_out, fw_descs, bw_in, bw_out, bw_descs = _interface(
         joint, saved, lowered.num_fwd_outputs)

@@ -438,3 +438,53 @@ def test_a_crawling_rescue_is_named_with_the_faster_budget():
     text = str(caught[0].message)  # (op times are measured again by the second call)
     assert f"{1 + rm.plan.predicted_overhead:.1f}x the unmodified step's time" in text
     assert f"block checkpointing needs {format_bytes(blocks.peak_bytes)} at 1." in text
+
+
+class _Scan(torch.nn.Module):
+    """A recurrence over time whose steps read slices and ``unsqueeze`` s: many small views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 8, 4)
+        for i in range(x.shape[1]):
+            h = torch.tanh(h * self.lin(x[:, i]).unsqueeze(-1) + x[:, i].unsqueeze(-1))
+        return h.sum()
+
+
+def _handed_to_backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors the compiled step's forward saved for its backward."""
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            return tuple(node.saved_tensors) + tuple(getattr(node, "_tensors_no_vc_check", ()))
+        todo.extend(f for f, _ in node.next_functions)
+    raise AssertionError("no compiled step in the autograd graph")
+
+
+@pytest.mark.parametrize("budget", [1 << 62, 0.5])
+def test_backward_is_handed_storages_not_views(budget):
+    """NOTE [ Save storages, not views ]: each storage reaches backward once, as one tensor
+    (the input ``x`` itself, not its six slices), and the gradients are eager's."""
+    torch.manual_seed(0)
+    model, x = _Scan(), torch.randn(3, 6, 8)
+    step(model, (x,))
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    rm = remat.rematerialize(model, x, budget=budget, options={"progress": False})
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss = rm(x)
+    handed = _handed_to_backward(loss)
+    loss.backward()
+    for got, want in zip(grads(model), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    storages = [t.untyped_storage().data_ptr() for t in handed]
+    assert len(set(storages)) == len(storages), "two saved tensors share a storage"
+    assert x.untyped_storage().data_ptr() in storages

@@ -3,7 +3,8 @@ import pytest
 
 import remat
 from remat.liveness import peak_lower_bound
-from remat.schedule import Schedule, on_demand_schedule, remake_views, save_all_schedule, simulate, tidy
+from remat.schedule import (Schedule, on_demand_schedule, remake_views, save_all_schedule, save_storages,
+                            simulate, tidy)
 
 from .graphs import chain
 
@@ -93,6 +94,28 @@ def test_a_saved_view_keeps_its_whole_base_alive():
     # Saving nothing but views still remakes them from bases that must be recomputed.
     schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, saved=frozenset())))
     assert simulate(graph, schedule).recompute_time > 0
+
+
+def test_backward_gets_the_storages_and_remakes_the_views():
+    """NOTE [ Save storages, not views ]: a saved view is replaced by its base, the same
+    storage, and remade in backward: same peak, no view handed over, nothing else recomputed."""
+    graph = chain([1.0] * 4, act=A, grad=D, view_every=1)
+    everything = save_all_schedule(graph)
+    views = {v for v in everything.saved if graph.values[v].alias_of is not None}
+    assert views, "the unmodified step of this chain saves views"
+    storages = save_storages(graph, everything)
+    assert not any(graph.values[v].alias_of is not None for v in storages.saved)
+    assert {graph.values[v].alias_of for v in views} <= storages.saved
+    sim, unmodified = simulate(graph, storages), simulate(graph, everything)
+    assert (sim.peak_bytes, sim.saved_bytes) == (unmodified.peak_bytes, unmodified.saved_bytes)
+    # What backward runs again is exactly the views it reads, each right before its reader.
+    remade = [i for i in storages.backward if i < graph.num_forward]
+    assert sorted(v for i in remade for v in graph.ops[i].outputs) == sorted(views)
+    assert [i for i in storages.backward if i >= graph.num_forward] == list(graph.backward_ops)
+    # A schedule that saves no view is returned as it is.
+    assert save_storages(graph, storages) is storages
+    plain = chain([1.0] * 4, act=A, grad=D)
+    assert save_storages(plain, save_all_schedule(plain)) == save_all_schedule(plain)
 
 
 def test_lower_bound_is_below_every_schedule():
