@@ -158,6 +158,30 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
     return Row(name, mem.peak_bytes, step_s, diff, note), grads
 
 
+# glibc's mallopt parameters (malloc.h): return freed memory to the system only above this much
+# at the heap's top, and serve blocks up to this size from the heap (32 MiB: glibc's maximum).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_TRIM, _KEEP_MMAP = 2**31 - 1, 32 * 2**20
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep the memory a step frees for the next step, as CUDA's caching allocator
+    does (what ``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_`` set at start-up); ``False``
+    where the C library is not glibc. Otherwise glibc hands big freed blocks back to the system
+    and the next step faults them in again, a page at a time, ~1 us each: how many depends on
+    the allocator's state, so the same step ran up to 10% slower in one process than in another
+    (NOTE [ Page faults are not an op's cost ] in remat/costs.py)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_TRIM)) and bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_MMAP))
+
+
 def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], steps: int,
                     device: str = "cpu", faults: list[float] | None = None) -> list[float]:
     """Median seconds of a training step of each ``(model, run)``, the models taking turns
