@@ -169,8 +169,9 @@ def keep_freed_memory() -> bool:
     does (what ``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_`` set at start-up); ``False``
     where the C library is not glibc. Otherwise glibc hands big freed blocks back to the system
     and the next step faults them in again, a page at a time, ~1 us each: how many depends on
-    the allocator's state, so the same step ran up to 10% slower in one process than in another
-    (NOTE [ Page faults are not an op's cost ] in remat/costs.py)."""
+    the allocator's state (in one run a 6-layer GPT's unmodified step paid 7,521 page faults a
+    step and its rematerialized step none, which read as 7 points less recomputation; NOTE
+    [ Page faults are not an op's cost ] in remat/costs.py)."""
     import ctypes
     import ctypes.util
 
