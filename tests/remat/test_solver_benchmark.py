@@ -127,9 +127,11 @@ print(sum(faults[8:]))
 def test_keep_freed_memory_stops_steps_faulting_pages_in():
     """The scale benchmark's default: glibc keeps what a step frees, so once warm a step faults
     no pages in (0-512 in all over steps 9-16; left as the system configures it, the same
-    steps faulted ~500 times each, 3,500-4,500 in all)."""
+    steps faulted ~500 times each, 3,968-6,208 in all over three runs)."""
     done = subprocess.run([sys.executable, "-c", _STEPS_FAULTS, "keep"], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
+    if "not glibc" in done.stderr:
+        pytest.skip("the C library has no mallopt (not glibc)")
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) < 1024  # 4 MiB: one 2 MiB activation is 512 pages
 
