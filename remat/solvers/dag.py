@@ -418,8 +418,13 @@ def solve_block_dag(graph: RematGraph, dag: BlockDAG, subs: list[Subgraph],
     # Memory left that is worth more MIPs (1-4 s each on a U-Net): what the polish does with
     # less is about as good. U-Net at 50%: 2.4% left, three more MIPs (6.4 s) for 126.75 ->
     # 126.70 ms; 4.6% left, three more (5.5 s) for +17.88% -> +17.73% step time (solve 8.9 s ->
-    # 3.4 s without them); with 6-9% left at 70% the search bought 1-2% step time.
-    worth_more = max(step, budget // 20)
+    # 3.4 s without them); with 6-9% left at 70% the search bought 1-2% step time. Since the
+    # MIPs stop within 2% of the step time (_STEP_GAP) the first one may leave ~6% unused for
+    # nothing better: one U-Net capture at 50% left 5.9% and its second MIP took the solve from
+    # 2.2 s to 3.1 s for the same schedule; at 1/15 instead of 1/20, over seven captures at
+    # 50/55/65/75% and five other U-Net and four T5 problems, every schedule is the same but
+    # one, better (+12.40% -> +11.99% step time, 2.1 s -> 1.4 s).
+    worth_more = max(step, budget // 15)
     gap = step_gap(graph, _OBJECTIVE_SCALE, _STEP_GAP)
     capacity, best = budget, None
     ceilings: dict[tuple[str, int], int] = {}  # bytes the model may count, by place
