@@ -467,13 +467,13 @@ def save_storages(graph: RematGraph, schedule: Schedule) -> Schedule:
     """
     nf = graph.num_forward
     values = graph.values
-    kept = set(graph.always_available) | set(graph.user_outputs)
+    returned = set(graph.user_outputs)  # backward reads these without their being saved
     saved: set[int] = set()
     for v in schedule.saved:
         while values[v].alias_of is not None and 0 <= values[v].producer < nf \
                 and _is_view_op(graph, values[v].producer):
             v = values[v].alias_of
-        if values[v].kind is ValueKind.ACTIVATION and v not in kept:
+        if values[v].kind is ValueKind.ACTIVATION and v not in returned:  # inputs: always there
             saved.add(v)
     if saved == schedule.saved:
         return schedule
