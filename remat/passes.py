@@ -18,6 +18,18 @@ read) cost a 6-layer GPT two extra passes over every dropout's tensor. This is b
 if it reproduces the kernel's own draws and arithmetic, so for each (device, dtype, p) we check
 it once on a probe tensor and leave the op alone where it does not hold (e.g. half precision
 on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own way).
+
+NOTE [ Dropout draws in memory order ]
+``native_dropout`` fills its mask in place (``empty_like(x).bernoulli_(1 - p)``): the mask has
+``x``'s strides and the random numbers land in *memory* order. The functional ``bernoulli.p``
+that a graph can hold returns a contiguous tensor filled in *logical* order. For a contiguous
+``x`` the two agree; for a transposed one (``nn.MultiheadAttention`` with ``batch_first=True``
+hands its ``dropout1``/``dropout2`` a transposed output) every element got another element's
+draw: an ``nn.TransformerEncoder`` with dropout 0.1 differed from eager by 0.7 in its output,
+with nothing recomputed. So the draw is made on ``x`` permuted into its memory order (a
+contiguous shape, filled in the order eager fills it) and permuted back; the order is that of
+the mask ``empty_like`` makes for ``x`` (a strided slice gets dense strides in ``x``'s order).
+The exactness probe checks a contiguous, a transposed and a strided input.
 """
 from __future__ import annotations
 
@@ -52,16 +64,23 @@ def _dropout_split_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
     ``native_dropout``'s and ``native_dropout_backward``'s bit for bit."""
     if not 0.0 <= p < 1.0:
         return False
-    x = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
-    grad = torch.linspace(-1.0, 5.0, 4099, dtype=torch.float64).to(device=device, dtype=dtype)
+    x = torch.linspace(-3.0, 3.0, 4 * 1031, dtype=torch.float64).to(device=device, dtype=dtype)
+    grad = torch.linspace(-1.0, 5.0, 4 * 1031, dtype=torch.float64).to(device=device, dtype=dtype)
+    # NOTE [ Dropout draws in memory order ]: a contiguous, a transposed and a strided input.
+    layouts = [(x, grad), (x.view(4, 1031).t(), grad.view(4, 1031).t()),
+               (x.view(4, 1031)[:, ::2].t(), grad.view(4, 1031)[:, ::2].t())]
+    return all(_split_matches(x, grad, p) for x, grad in layouts)
+
+
+def _split_matches(x: torch.Tensor, grad: torch.Tensor, p: float) -> bool:
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the user's streams are left as they were
         _seed(x.device)
         out, mask = aten.native_dropout(x, p, True)
-        after = torch.rand(4, device=device)
+        after = torch.rand(4, device=x.device)
         _seed(x.device)
         split_mask, keep, split_out = _split_dropout(x, p)
-        split_after = torch.rand(4, device=device)
+        split_after = torch.rand(4, device=x.device)
     grad_in = aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
     return bool(torch.equal(mask, split_mask) and torch.equal(out, split_out)
                 and torch.equal(after, split_after)
@@ -89,12 +108,31 @@ def _split_dropout(x, p: float, call=_eagerly):
     # recomputed, so a float draw cast to bool would have had a "keep nothing" forward keep
     # 4 bytes per element (the draws are the same: bernoulli fills a bool tensor from the
     # same numbers).
-    like = call(aten.empty_like.default, x, dtype=torch.bool)
-    mask = call(aten.bernoulli.p, like, 1.0 - p)
-    keep = call(aten._to_copy.default, mask, dtype=x.dtype if isinstance(x, torch.Tensor)
-                else x.meta["val"].dtype)
+    val = x if isinstance(x, torch.Tensor) else x.meta["val"]
+    order = _memory_order(val)  # NOTE [ Dropout draws in memory order ]
+    if order is None:
+        mask = call(aten.bernoulli.p, call(aten.empty_like.default, x, dtype=torch.bool), 1.0 - p)
+    else:
+        like = call(aten.empty_like.default, call(aten.permute.default, x, order),
+                    dtype=torch.bool)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        mask = call(aten.permute.default, call(aten.bernoulli.p, like, 1.0 - p), inverse)
+    keep = call(aten._to_copy.default, mask, dtype=val.dtype)
     kept = call(aten.mul.Tensor, x, keep)
     return mask, keep, call(aten.mul.Scalar, kept, 1.0 / (1.0 - p))
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The permutation of ``t``'s dimensions, outermost first, in which eager lays out (and
+    fills) a mask like ``t``; ``None`` when that is the logical order (NOTE [ Dropout draws in
+    memory order ]). Asks ``empty_like`` itself, which is dense by construction (a strided ``t``
+    gets dense strides in ``t``'s order). Reads size hints, adds no guard."""
+    from .symbolic import hint
+
+    like = torch.empty_like(t, dtype=torch.bool)
+    strides = [hint(n) for n in like.stride()]
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])  # stable: size-1 dims keep place
+    return None if order == list(range(t.dim())) else order
 
 
 def _split_dropout_grad(grad, keep, p: float, call=_eagerly):
@@ -126,14 +164,13 @@ def split_dropout(joint: fx.GraphModule) -> int:
         outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         if outs.get(0) is None or not outs[0].users or len(outs) != len(node.users):
             continue
-        out_val, mask_val = node.meta["val"]
 
         def call(target, *args, at=node, **kwargs):
             new = graph.call_function(target, args, kwargs)
             new.meta = {k: v for k, v in at.meta.items() if k != "val"}
-            boolean = kwargs.get("dtype") is torch.bool or target is aten.bernoulli.p
-            new.meta["val"] = (mask_val if boolean else out_val if at is node
-                               else at.meta["val"])
+            # Run on the fake values: each node's own shape and strides (a permuted draw).
+            new.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a
+                                       for a in args], **kwargs)
             return new
 
         with graph.inserting_before(node):

@@ -69,3 +69,26 @@ def test_checking_the_split_leaves_the_users_random_stream_alone():
     gm, _, _ = _dropout_graph(torch.float64, 0.25)
     assert split_dropout(gm) == 1
     assert torch.equal(torch.rand(4), want)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "permuted-4d", "strided"])
+def test_dropout_split_draws_in_eagers_memory_order(layout):
+    """NOTE [ Dropout draws in memory order ]: ``native_dropout`` fills its mask in the input's
+    memory order, the functional ``bernoulli.p`` in logical order; on a transposed input the
+    split drew every element another element's number before the draw was permuted."""
+    base = torch.linspace(-2.0, 2.0, 4 * 6 * 5 * 7).reshape(4, 6, 5, 7)
+    x = {"transposed": base.reshape(24, 35).t(), "permuted-4d": base.permute(2, 0, 3, 1),
+         "strided": base.reshape(24, 35)[:, ::2].t()}[layout]
+
+    def step(x):
+        out, mask = aten.native_dropout(x, 0.3, True)
+        return out, mask
+
+    gm = make_fx(step, tracing_mode="fake")(x)
+    assert split_dropout(gm) == 1
+    torch.manual_seed(2)
+    want, want_mask = step(x)
+    torch.manual_seed(2)
+    got, got_mask = gm(x)
+    assert torch.equal(got_mask, want_mask) and torch.equal(got, want)
+    assert got.stride() == want.stride()
