@@ -43,6 +43,8 @@ class Plan:
             (NOTE [ A budget is what the user measures ] in :mod:`remat.budget`).
         outside_bytes: Measured memory the rest of the training step (a loss head outside the
             module) adds to it; charged against the budget.
+        fingerprint: :meth:`Schedule.fingerprint` of the schedule: equal in two runs exactly
+            when they run the same schedule (compare runs, machines, cache hits).
     """
 
     baseline_bytes: int
@@ -61,6 +63,7 @@ class Plan:
     detail: str = ""
     eager_bytes: int = 0
     outside_bytes: int = 0
+    fingerprint: str = ""
 
     @property
     def predicted_ratio(self) -> float:
@@ -80,6 +83,7 @@ class Plan:
         """A small table for logs."""
         rows = [
             ("solver", f"{self.solver} ({self.status})" + (" [cache hit]" if self.cache_hit else "")),
+            *([("schedule", self.fingerprint)] if self.fingerprint else []),
             *([("eager step peak (measured)", format_bytes(self.eager_bytes + self.outside_bytes)
                 + (f", {format_bytes(self.outside_bytes)} of it outside the module"
                    if self.outside_bytes > 0 else ""))] if self.eager_bytes else []),

@@ -138,6 +138,7 @@ def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_byt
         detail=detail,
         eager_bytes=int(round(step - outside)),
         outside_bytes=int(round(outside)),
+        fingerprint=schedule.fingerprint(),
     )
 
 

@@ -49,6 +49,14 @@ class Schedule:
         """Number of recomputed op executions in backward."""
         return sum(1 for i in self.backward if i < graph.num_forward)
 
+    def fingerprint(self) -> str:
+        """A short hash of what runs when: two runs of one model with equal fingerprints run
+        the same schedule (op indices are the lowered graph's, the same in every capture)."""
+        import hashlib
+
+        text = f"{self.forward}|{sorted(self.saved)}|{self.backward}"
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
 
 @dataclass(frozen=True)
 class Simulation:
