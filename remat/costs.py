@@ -2,7 +2,8 @@
 
 NOTE [ Measuring op times ]
 We run the joint graph node by node on the real inputs (an FX interpreter), time each node and
-take the median over a few repeats (the first run warms caches and is discarded), pooled over
+take the fastest of a few repeats (the first run warms caches and is discarded; NOTE [ The
+fastest sample is the op's price ]), pooled over
 every op that does the same work (NOTE [ Ops that do the same work cost the same ]), leaving
 out the samples that paid page faults (NOTE [ Page faults are not an op's cost ]). Values are
 freed after their last use so profiling needs no more memory than the unmodified step. The run
@@ -14,7 +15,6 @@ When real inputs are not available we fall back to a roofline model: FLOPs from
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import NamedTuple, Sequence
 
@@ -56,13 +56,13 @@ class OpCosts(NamedTuple):
 def measure_op_times(
     lowered: Lowered, joint: fx.GraphModule, primals: Sequence[torch.Tensor], *, repeats: int = 3
 ) -> OpCosts:
-    """Median wall time and scratch memory of every op of ``lowered.graph`` on the real inputs.
+    """Wall time (the fastest sample) and scratch memory of every op of ``lowered.graph`` on the real inputs.
 
     Args:
         lowered: The lowered joint graph.
         joint: The joint graph module.
         primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
-        repeats: Timed runs; the median is kept, over the samples of every op doing the same
+        repeats: Timed runs; the fastest is kept, over the samples of every op doing the same
             work (NOTE [ Ops that do the same work cost the same ]). A first, untimed run under
             the memory profiler warms caches and measures each op's workspace (bytes it
             allocates beyond its outputs, freed before it returns: see NOTE [ Measuring memory
@@ -141,8 +141,8 @@ def measure_op_times(
             timed = _cuda_timer(op_index, samples)
         for _ in range(repeats):
             run_graph(_keying(op_index, keys, timed))
-    times = _pooled_medians(samples, keys, faults)
-    rerun_times = _pooled_medians(reruns, keys, rerun_faults)
+    times = _pooled_prices(samples, keys, faults)
+    rerun_times = _pooled_prices(reruns, keys, rerun_faults)
     # an op never re-run (backward, random, on CUDA) costs its own time if it ever is
     return OpCosts(times, workspaces, [r if ran else t for r, t, ran in
                                        zip(rerun_times, times, map(bool, reruns))])
@@ -154,7 +154,7 @@ def measure_op_times(
 # and two captures of one model gave two plans (24-layer GPT at 33%: 547 or 723 ops
 # recomputed, +11.5% / +11.3% predicted). An op's time is a function of what it computes: its
 # target, its arguments' shapes, strides and dtypes, and its constants. So ops with the same
-# such key share one price, the median of all their samples: 72 samples for each op of a
+# such key share one price, the fastest of all their samples: 72 samples for each op of a
 # 24-layer GPT's layers instead of 3, the same price for every layer, and the same answer to
 # "recompute this op here or in the next layer". Strides are part of the key (a matmul reading
 # a transposed operand is another kernel); an argument of any other type makes the op its own.
@@ -197,7 +197,7 @@ def _keying(op_index: dict, keys: list[object], timed):
 # the same model's ops summed to 65-78 ms and its plans predicted +8% or +15% step time from one
 # run to the next. A schedule does not choose these faults either: its lower peak usually
 # reuses memory instead (the MLP's remat step faulted 0 times where the eager step faulted
-# ~5,000 times, 512 per 2 MiB tensor). So an op's price is the median of its work key's samples
+# ~5,000 times, 512 per 2 MiB tensor). So an op's price is the fastest of its work key's samples
 # that paid no fault; the faulting ones count only when no sample ran fault-free. Measured with
 # glibc told to keep its memory (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``: no fault
 # in any step, as with CUDA's caching allocator), the MLP's predicted recomputation is then
@@ -229,10 +229,22 @@ def _keying(op_index: dict, keys: list[object], timed):
 _FAULT_BYTES = 256 * 1024
 
 
-def _pooled_medians(samples: list[list[float]], keys: list[object],
-                    faults: list[list[int]] | None = None) -> list[float]:
-    """Per op, the median of the samples of every op with its work key, of those that paid no
-    page fault where any did not (NOTE [ Page faults are not an op's cost ])."""
+# NOTE [ The fastest sample is the op's price ]
+# A busy neighbour only ever adds time to a sample (the op waits for a core, or one of its two
+# intra-op threads does), never takes any away, so the fastest sample of an op's work key is
+# what the op costs, and it moves far less with the load than the median: three fresh captures
+# of a 4-layer GPT-2 at 50% beside two busy processes predicted +15.3%, +16.8% and +35.3%
+# overhead with medians (three schedules), +10.9%, +10.6% and +6.1% with the fastest samples
+# (two of the three the same schedule). Pooling (NOTE [ Ops that do the same work cost the
+# same ]) gives most ops dozens of samples to take it from. What is left of the noise is
+# absorbed by the plan cache (NOTE [ The same plan every run ] in ``remat/cache.py``).
+
+
+def _pooled_prices(samples: list[list[float]], keys: list[object],
+                   faults: list[list[int]] | None = None) -> list[float]:
+    """Per op, the fastest sample of every op with its work key (NOTE [ The fastest sample is
+    the op's price ]), of those that paid no page fault where any did not (NOTE [ Page faults
+    are not an op's cost ])."""
     groups = [key if key is not None else ("op", k) for k, key in enumerate(keys)]
     clean: dict[object, list[float]] = {}
     every: dict[object, list[float]] = {}
@@ -241,7 +253,7 @@ def _pooled_medians(samples: list[list[float]], keys: list[object],
         counts = faults[k] if faults is not None and faults[k] else [0] * len(samples[k])
         clean.setdefault(group, []).extend(s for s, f in zip(samples[k], counts) if f == 0)
     chosen = [clean[group] or every[group] for group in groups]
-    return [statistics.median(c) if c else 0.0 for c in chosen]
+    return [min(c) if c else 0.0 for c in chosen]
 
 
 def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:

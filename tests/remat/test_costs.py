@@ -80,14 +80,25 @@ def test_the_work_key_sees_strides_and_constants():
 
 
 def test_samples_that_paid_page_faults_are_left_out_of_a_price():
-    from remat.costs import _pooled_medians
+    from remat.costs import _pooled_prices
 
     # Two ops doing the same work: the faulted samples (slow) are left out of their price.
-    samples = [[9.0, 1.0, 9.5], [1.2, 9.2, 8.8], [5.0, 6.0, 7.0], [3.0]]
+    samples = [[9.0, 1.1, 9.5], [1.2, 9.2, 8.8], [5.0, 6.0, 7.0], [3.0]]
     faults = [[512, 0, 512], [0, 512, 512], [3, 4, 5], [7]]
     keys = ["gelu", "gelu", "mm", None]  # mm: every sample faulted, so all of them count
-    assert _pooled_medians(samples, keys, faults) == pytest.approx([1.1, 1.1, 6.0, 3.0])
-    assert _pooled_medians(samples, keys) == pytest.approx([8.9, 8.9, 6.0, 3.0])  # no counts
+    assert _pooled_prices(samples, keys, faults) == pytest.approx([1.1, 1.1, 5.0, 3.0])
+    assert _pooled_prices(samples, keys) == pytest.approx([1.1, 1.1, 5.0, 3.0])  # no counts
+
+
+def test_a_price_is_the_fastest_sample_of_its_work_key():
+    """NOTE [ The fastest sample is the op's price ]: load only adds time to a sample, so a
+    few slow samples (a busy neighbour) leave the price where the quiet ones put it."""
+    from remat.costs import _pooled_prices
+
+    quiet = [[2.0, 2.1, 2.05], [2.02, 2.2, 2.1]]
+    loaded = [[2.0, 7.5, 6.1], [4.4, 2.02, 9.0]]  # the same quiet samples, most others slowed
+    keys = ["bmm", "bmm"]
+    assert _pooled_prices(quiet, keys) == _pooled_prices(loaded, keys) == [2.0, 2.0]
 
 
 _CALLS = [0]
@@ -122,10 +133,11 @@ fault_probe.register_autograd(lambda ctx, grad: grad)
 def test_an_op_is_priced_on_its_runs_without_page_faults(monkeypatch, watched_from):
     # NOTE [ Page faults are not an op's cost ]: whether a sample paid page faults depends on
     # the allocator's state, so the same MLP's plans predicted +8% or +15% from run to run.
-    # Of the probe's three timed runs two fault and stall 50 ms: the median of all would price
-    # it at 50 ms; its clean run costs well under 10 ms. Its output (64 KiB) is below the size
+    # Of the probe's three timed runs two fault and stall 50 ms: the median of all priced it
+    # at 50 ms; its clean run costs well under 10 ms. Its output (64 KiB) is below the size
     # from which faults are watched by default (reading the counter is a system call that
-    # slows the next small op), so only with every op watched is it priced on its clean run.
+    # slows the next small op); since the fastest sample is the price (NOTE [ The fastest
+    # sample is the op's price ]) it is priced on its clean run either way.
     from remat import costs
 
     pytest.importorskip("resource")
@@ -147,10 +159,7 @@ def test_an_op_is_priced_on_its_runs_without_page_faults(monkeypatch, watched_fr
     graph = rm.graphs[0]
     probes = [op for op in graph.ops[:graph.num_forward] if "fault_probe" in op.signature]
     assert len(probes) == 1, [op.signature for op in graph.ops[:graph.num_forward]]
-    if watched_from is not None:
-        assert 0 < probes[0].time < 0.01, probes[0].time
-    else:
-        assert probes[0].time > 0.04, probes[0].time
+    assert 0 < probes[0].time < 0.01, probes[0].time
 
 
 def test_a_recomputation_is_priced_as_the_op_run_again():
