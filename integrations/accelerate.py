@@ -73,6 +73,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import remat
 from remat import PlanCache, RematModule
+from remat.cache import CACHE_OFF, plan_cache_for
 
 from integrations._remat_shared import (
     Collectives,
@@ -130,7 +131,8 @@ class HiRematePlugin:
         module: ``None`` (the whole model), or the name(s) of submodules to rematerialize in
             place (``"transformer"``, ``["encoder", "decoder"]``, dotted paths allowed).
         cache_dir: Directory of an on-disk :class:`remat.PlanCache`: a restarted job reuses the
-            plans instead of profiling and solving again.
+            plans instead of solving again. ``None`` (default): the user's cache directory, so
+            every run of a model gets the same plan (``"off"``: plans kept in memory only).
         strict: Raise when the model cannot be captured or the budget is infeasible; with
             ``False`` the model trains unmodified and the main process warns.
         verbose: Log progress lines and the summary table (``logging``, main process only).
@@ -193,7 +195,9 @@ class HiRematePlugin:
                     raise ValueError(f"{name}={value!r}: unknown variable; did you mean "
                                      f"{close[0]}? hiremate reads {', '.join(ENV_VARS)}")
         given = {k: v for k, v in given.items() if k in ENV_VARS}
-        if not given:
+        # HIREMATE_CACHE_DIR alone says where plans go (every front door reads it: NOTE [ The
+        # same plan every run ] in remat/cache.py), not that this script should rematerialize.
+        if set(given) <= {"HIREMATE_CACHE_DIR"}:
             return None
         if "HIREMATE_BUDGET" not in given:
             raise ValueError(
@@ -229,8 +233,8 @@ def _parse_env(name: str, key: str, raw: str) -> Any:
             raise ValueError(f"{name}={raw!r}: expected comma-separated module names such as "
                              f"{name}=transformer, or unset it to rematerialize the whole model")
         return names
-    if key == "cache_dir":
-        return value or None
+    if key == "cache_dir":  # "off": the default cache, which that same variable turns off
+        return None if value.lower() in CACHE_OFF else value
     return value
 
 
@@ -400,7 +404,7 @@ def rematerialize_for_accelerate(accelerator: Accelerator, model: nn.Module, bat
     if not isinstance(plugin, HiRematePlugin):
         raise TypeError(f"plugin={plugin!r}: expected a HiRematePlugin or None")
     model, _ = _rematerialize(accelerator, model, batch, plugin.settings,
-                              PlanCache(plugin.settings.cache_dir))
+                              plan_cache_for(plugin.settings.cache_dir))
     model._hiremate_done = True  # a prepare() that rematerializes must not do it again
     return model
 
@@ -424,7 +428,7 @@ def _attach(accelerator: Accelerator, plugin: Optional[HiRematePlugin]) -> None:
     ways in ] (``plugin=None``: rematerialization off)."""
     accelerator.hiremate_plugin = plugin
     accelerator.hiremate_results = {}
-    accelerator._hiremate_cache = None if plugin is None else PlanCache(plugin.settings.cache_dir)
+    accelerator._hiremate_cache = None if plugin is None else plan_cache_for(plugin.settings.cache_dir)
 
 
 def _rematerialize_one(accelerator: Accelerator, model: nn.Module, batch: Any, *, owner: str,

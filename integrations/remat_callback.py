@@ -66,7 +66,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from torch.utils._pytree import tree_unflatten
 
 import remat
-from remat import Plan, PlanCache, RematModule, format_bytes, track_memory
+from remat import Plan, RematModule, format_bytes, track_memory
+from remat.cache import plan_cache_for
 
 from integrations._remat_shared import (
     Collectives,
@@ -183,7 +184,9 @@ class HiRemateCallback(Callback):
             parameters that is called during the training step.
         solver: One of ``remat.SOLVERS`` (default ``"hierarchical"``).
         time_limit: Seconds each solve may take; the best schedule found by then is used.
-        cache_dir: Directory of an on-disk :class:`remat.PlanCache` shared across runs.
+        cache_dir: Directory of the on-disk :class:`remat.PlanCache` shared across runs;
+            ``None`` (default) the user's cache directory, so every run of a model gets the
+            same plan (``HIREMATE_CACHE_DIR`` moves it; ``"off"`` keeps plans in memory).
         strict: Raise when a target cannot be captured or the budget is infeasible. With
             ``False`` (default) that target trains unmodified and rank 0 warns.
         verbose: Log progress lines, the summary table, and the measured peaks of the warmup step
@@ -231,7 +234,7 @@ class HiRemateCallback(Callback):
             budget=budget, solver=solver, time_limit=time_limit, module=module,
             cache_dir=cache_dir, strict=strict, verbose=verbose,
         )
-        self.cache = PlanCache(self.settings.cache_dir)
+        self.cache = plan_cache_for(self.settings.cache_dir)
         self.results: dict[str, TargetResult] = {}
         self.eager_peak_bytes: Optional[int] = None
         self.step_peak_bytes: Optional[int] = None

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .budget import Budget, Reference, format_bytes, parse_budget
-from .cache import PlanCache, graph_key
+from .cache import PlanCache, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
 from .costs import measure_op_times, model_op_times
@@ -59,7 +59,9 @@ class RematBackend:
         time_limit: Seconds each solve may take.
         measure: Time ops on the real example inputs (default) instead of modelling them.
         options: Solver-specific options.
-        cache: A :class:`remat.PlanCache` to reuse schedules solved before.
+        cache: Where to reuse schedules solved before: a :class:`remat.PlanCache`, a directory,
+            ``True`` (the default directory, :func:`remat.cache.default_cache_dir`) or
+            ``None``/``False`` (none).
 
     Attributes:
         plans: The :class:`Plan` of every schedule solved so far, in order.
@@ -70,7 +72,7 @@ class RematBackend:
 
     def __init__(self, budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
                  time_limit: float = 60.0, measure: bool = True, options: dict | None = None,
-                 cache: PlanCache | None = None) -> None:
+                 cache: PlanCache | str | bool | None = None) -> None:
         self.budget = parse_budget(budget)
         get_solver(solver)  # validates the name now, not at the first step
         if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or time_limit <= 0:
@@ -80,10 +82,7 @@ class RematBackend:
         self.time_limit = float(time_limit)
         self.measure = measure
         self.options = dict(options or {})
-        if cache is not None and not isinstance(cache, PlanCache):
-            raise TypeError(f"cache={cache!r}: expected a remat.PlanCache or None; pass "
-                            "cache=remat.PlanCache('path/to/dir')")
-        self.cache = cache
+        self.cache = resolve_cache(cache)
         self.shapes = ShapePlans(self.budget, solver=solver, time_limit=self.time_limit,
                                  options=self.options)
         self.current_leaves: list[Any] = []  # the flattened inputs of the call being compiled
@@ -262,7 +261,7 @@ def _user_checkpointing(lowered, graph: RematGraph) -> list[tuple[Schedule, str]
 
 def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
             time_limit: float = 60.0, measure: bool = True, options: dict | None = None,
-            cache: PlanCache | None = None) -> RematBackend:
+            cache: PlanCache | str | bool | None = True) -> RematBackend:
     """A ``torch.compile`` backend that keeps each graph's activation peak under ``budget``.
 
     Args:
@@ -271,7 +270,10 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
         time_limit: Seconds each solve may take; the best schedule found by then is used.
         measure: Time ops on the real example inputs (default) or model them from FLOPs.
         options: Solver-specific options.
-        cache: A :class:`remat.PlanCache`: graphs solved before are not solved again.
+        cache: Graphs solved before are not solved again: ``True`` (default) keeps schedules
+            in the user's cache directory, so every run of a model gets the same ones (NOTE [ The
+            same plan every run ] in :mod:`remat.cache`; ``HIREMATE_CACHE_DIR=off`` turns it
+            off), ``False`` none, or a directory / :class:`remat.PlanCache`.
 
     Returns:
         A :class:`RematBackend`; after compilation its ``plans`` hold one :class:`Plan` per graph.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -502,7 +501,7 @@ def rematerialize(
     time_limit: float = 60.0,
     measure: bool = True,
     options: dict | None = None,
-    cache: PlanCache | str | None = None,
+    cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
     **example_kwargs: Any,
@@ -526,8 +525,12 @@ def rematerialize(
         time_limit: Seconds the solver may spend; the best schedule found by then is used.
         measure: Time ops on the example (default) or model them from FLOPs and bytes.
         options: Solver-specific options.
-        cache: A :class:`remat.PlanCache` (or a directory for one): a graph solved before with
-            the same settings is not profiled or solved again.
+        cache: Where solved schedules are kept: ``True`` (default) in the user's cache
+            directory, so every run of this model, batch and budget on this machine runs the
+            same schedule (NOTE [ The same plan every run ] in :mod:`remat.cache`;
+            ``HIREMATE_CACHE_DIR`` moves it, ``HIREMATE_CACHE_DIR=off`` turns it off); a
+            directory or a :class:`remat.PlanCache`; ``False`` for none. A graph solved before
+            with the same settings is not solved again.
         eager_peak_bytes: The module's eager step peak on the example, if already measured
             (:func:`measure_eager_step`); measured here when ``None``.
         step_peak_bytes: The measured eager peak of the whole training step the module runs
@@ -558,8 +561,6 @@ def rematerialize(
     if isinstance(module, RematModule):
         raise TypeError("rematerialize(module=...): this module is already a RematModule; pass "
                         "its .original to solve again with other settings")
-    if isinstance(cache, (str, os.PathLike)):
-        cache = PlanCache(cache)
     backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
                            options=options, cache=cache)
     backend.eager = _eager_reference(module, example_args, example_kwargs, eager_peak_bytes,

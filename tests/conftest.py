@@ -7,6 +7,22 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_default_plan_cache():
+    """NOTE [ The same plan every run ]: remat keeps plans in the user's cache directory by
+    default. Tests (and the processes they start) solve for themselves instead of reading each
+    other's plans or the developer's; tests of the default cache point it at a directory."""
+    import os
+
+    before = os.environ.get("HIREMATE_CACHE_DIR")
+    os.environ["HIREMATE_CACHE_DIR"] = "off"
+    yield
+    if before is None:
+        del os.environ["HIREMATE_CACHE_DIR"]
+    else:
+        os.environ["HIREMATE_CACHE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_torch_state(request):
     """Restore seed, default dtype, deterministic flags and dynamo caches around every test.

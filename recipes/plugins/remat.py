@@ -33,7 +33,8 @@ class RematConfig:
             child holding parameters, i.e. ``net`` in the recipe tasks), a name, or a list of names.
         solver: The solver name, passed through (``HiRemateCallback`` checks it).
         time_limit: Seconds the solver may take (> 0).
-        cache_dir: Directory of the plan cache, or ``null``.
+        cache_dir: Directory of the plan cache; ``null``: the user's cache directory
+            (``HIREMATE_CACHE_DIR``), ``off``: plans kept in memory only.
         strict: Raise (instead of warning and training unmodified) when the network cannot be
             captured.
         verbose: Log the callback's summary table.

@@ -117,3 +117,77 @@ def test_two_processes_writing_one_key_never_collide(tmp_path):
         assert w.wait() == 0, w.stderr.read()
     assert list(tmp_path.glob("*.tmp")) == []
     assert remat.PlanCache(tmp_path).get("k" * 32) is not None
+
+
+# NOTE [ The same plan every run ]: a tanh MLP through the README's call, with the default cache.
+_RUN = textwrap.dedent("""
+    import torch, torch.nn as nn, remat
+    torch.manual_seed(0)
+    layers = [m for k in range(12) for m in (nn.Linear(64 if k == 0 else 256, 256), nn.Tanh())]
+    net = nn.Sequential(*layers, nn.Linear(256, 8))
+    rm = remat.rematerialize(net, torch.randn(1024, 64), budget="50%")
+    print(rm.plan.fingerprint, rm.plan.cache_hit)
+""")
+
+_BURN = "import time\\nend = time.time() + 60\\nwhile time.time() < end: pass"
+
+
+def _fresh_run(env: dict, busy: bool = False) -> tuple[str, bool]:
+    burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(2 if busy else 0)]
+    try:
+        done = subprocess.run([sys.executable, "-c", _RUN], cwd=REPO, env=env, text=True,
+                              capture_output=True, timeout=300)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    fingerprint, hit = done.stdout.split()
+    return fingerprint, hit == "True"
+
+
+def test_every_fresh_process_runs_the_same_plan_by_default(tmp_path):
+    """NOTE [ The same plan every run ]: with no ``cache=`` argument the first process solves
+    and writes its schedule to the user's cache directory; later processes, one of them beside
+    two CPU-burning neighbours, run that schedule (the same fingerprint) without solving."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("HIREMATE_CACHE_DIR", None)  # the suite turns the default off; a user has it on
+    first = _fresh_run(env)
+    again = _fresh_run(env)
+    loaded = _fresh_run(env, busy=True)
+    assert first[1] is False and again == loaded == (first[0], True)
+    assert len(list((tmp_path / "hiremate" / "plans").glob("*.json"))) == 1
+
+
+def test_the_default_cache_can_be_turned_off_or_moved(tmp_path, monkeypatch):
+    from remat.cache import default_cache_dir, plan_cache_for, resolve_cache
+
+    monkeypatch.delenv("HIREMATE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "hiremate" / "plans"
+    assert resolve_cache(True).directory == tmp_path / "xdg" / "hiremate" / "plans"
+    monkeypatch.setenv("HIREMATE_CACHE_DIR", str(tmp_path / "mine"))
+    assert resolve_cache(True).directory == tmp_path / "mine"
+    assert plan_cache_for(None).directory == tmp_path / "mine"
+    for off in ("off", "0", "false", ""):
+        monkeypatch.setenv("HIREMATE_CACHE_DIR", off)
+        assert default_cache_dir() is None and resolve_cache(True) is None
+        cache = plan_cache_for(None)  # a callback keeps one in memory (DDP, checkpoints)
+        assert isinstance(cache, remat.PlanCache) and cache.directory is None
+    assert resolve_cache(False) is None and resolve_cache(None) is None
+    assert resolve_cache("off") is None and plan_cache_for("off").directory is None
+    with pytest.raises(TypeError, match=r"cache=3: expected True"):
+        resolve_cache(3)
+
+
+def test_the_fingerprint_names_the_schedule(tmp_path):
+    """Equal schedules, equal fingerprints (a cache hit runs the same one); another budget's
+    schedule has another; ``plan.summary()`` shows it."""
+    solved = solve("60%", str(tmp_path))
+    hit = solve("60%", str(tmp_path))
+    other = solve("90%", None)
+    assert hit.plan.cache_hit and hit.plan.fingerprint == solved.plan.fingerprint
+    assert len(solved.plan.fingerprint) == 10 and other.plan.fingerprint != solved.plan.fingerprint
+    assert f"schedule                    {solved.plan.fingerprint}" in solved.plan.summary()
