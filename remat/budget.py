@@ -63,22 +63,26 @@ class Budget:
     bytes: int | None = None
     text: str = ""
 
-    def resolve(self, baseline_bytes: int, reference: "Reference | None" = None) -> int:
+    def resolve(self, baseline_bytes: int, reference: "Reference | None" = None, *,
+                of_bytes: int | None = None) -> int:
         """The bytes a schedule may peak at, given the unmodified step's simulated peak.
 
-        Without a reference a fraction is a share of ``baseline_bytes``; with one, of the
-        whole eager step's peak at these sizes, less the memory outside the module (NOTE [ A
-        budget is what the user measures ]). May be <= 0 when the outside memory alone is over
-        the budget.
+        Without a reference a fraction is a share of ``of_bytes`` (default ``baseline_bytes``);
+        with one, of the whole eager step's peak where the unmodified step peaks at
+        ``of_bytes`` (the run's largest batch: NOTE [ Budgets over many sizes ]), less the
+        memory outside the module at *these* sizes, ``baseline_bytes`` (NOTE [ A budget is
+        what the user measures ]). May be <= 0 when the outside memory alone is over the
+        budget.
         """
+        of_bytes = baseline_bytes if of_bytes is None else of_bytes
         if reference is None:
             if self.bytes is not None:
                 return self.bytes
-            return int(math.floor(self.fraction * baseline_bytes))
-        step, outside = reference.at(baseline_bytes)
+            return int(math.floor(self.fraction * of_bytes))
+        outside = reference.at(baseline_bytes)[1]
         if self.bytes is not None:
             return int(self.bytes - outside)
-        return int(math.floor(self.fraction * step - outside))
+        return int(math.floor(self.fraction * reference.at(of_bytes)[0] - outside))
 
     def __str__(self) -> str:
         if self.bytes is not None:

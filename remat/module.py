@@ -108,15 +108,16 @@ def _differentiable(out: Any) -> list[torch.Tensor]:
             and t.is_floating_point()]
 
 
-def _backward_root(out: Any) -> torch.Tensor | None:
-    """What a training step differentiates in ``out``: its scalar losses when it has any (a
-    Hugging Face model called with labels), else the sum of every differentiable output (each
-    output's gradient is then a fresh tensor the backward frees after its last use, as a loss
-    outside the module makes it; ones held by the caller through the backward would not be)."""
+def _backward_root(out: Any) -> tuple[torch.Tensor | None, bool]:
+    """What a training step differentiates in ``out``, and whether that is the module's own
+    loss: its scalar losses when it has any (a Hugging Face model called with labels), else the
+    sum of every differentiable output (each output's gradient is then a fresh tensor the
+    backward frees after its last use, as a loss outside the module makes it; ones held by the
+    caller through the backward would not be)."""
     tensors = _differentiable(out)
     losses = [t for t in tensors if t.dim() == 0]
     parts = losses or [t.mul(1.0).sum() for t in tensors]
-    return sum(parts[1:], parts[0]) if parts else None
+    return (sum(parts[1:], parts[0]) if parts else None), bool(losses)
 
 
 def _device_of(module: nn.Module, leaves: list[Any]) -> torch.device:
@@ -129,11 +130,14 @@ def _device_of(module: nn.Module, leaves: list[Any]) -> torch.device:
 def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
     """Measure the peak memory of ``module``'s eager training step on this batch.
 
-    The step is the forward, then the backward of its scalar losses (or of the sum of every
-    differentiable output when it returns no scalar) while the outputs are held, measured the
-    way a user measures it (the CUDA allocator's peak; the CPU allocator's events). Nothing changes: buffers, RNG
-    streams and ``.grad`` are as before. This is what a percentage budget is a percentage of
-    (NOTE [ A budget is what the user measures ] in :mod:`remat.budget`).
+    The step is what a user's training step does with the module: the forward, then the
+    backward of its scalar losses, the rest of its outputs dropped (``model(**batch).loss
+    .backward()``, a Lightning ``training_step`` returning ``out.loss``); when it returns no
+    scalar, the backward of the sum of every differentiable output while the outputs are held
+    (as a loss outside the module holds them). It is measured the way a user measures it (the
+    CUDA allocator's peak; the CPU allocator's events). Nothing changes: buffers, RNG streams
+    and ``.grad`` are as before. This is what a percentage budget is a percentage of (NOTE [ A
+    budget is what the user measures ] in :mod:`remat.budget`).
 
     Returns:
         Peak bytes allocated during the step above what was live before it.
@@ -159,9 +163,12 @@ def _eager_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int,
         with track_memory(device) as memory:
             out = module(*args, **kwargs)
             memory.mark()
-            root = _backward_root(out)
+            root, own_loss = _backward_root(out)
             outputs = sum(t.numel() * t.element_size() for t in _differentiable(out))
-            if root is not None:  # the caller holds ``out`` through it, as the simulator assumes
+            if own_loss:  # ``model(**batch).loss.backward()``: the logits are not held
+                del out
+                out = None
+            if root is not None:  # otherwise the caller holds ``out`` through it
                 root.backward()
             del out, root
     return memory.peak_bytes, memory.marks[0], outputs

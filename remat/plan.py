@@ -79,6 +79,24 @@ class Plan:
         return (self.predicted_peak_bytes + self.outside_bytes) / (self.eager_bytes +
                                                                    self.outside_bytes)
 
+    def _step_rows(self) -> list[tuple[str, str]]:
+        """The budget and the predicted peak, as shares of the eager step when it was measured:
+        every figure of the whole step (the module's own peak plus what the step adds outside
+        it, or less what it drops), so that each percentage is of the number printed above."""
+        if not self.eager_bytes:
+            return [("budget", format_bytes(self.budget_bytes)),
+                    ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} "
+                                       f"({100 * self.predicted_ratio:.1f}% of baseline)")]
+        outside, step = self.outside_bytes, self.eager_bytes + self.outside_bytes
+        where = ("" if not outside else f": {{}} for the module, "
+                 f"{'+' if outside > 0 else ''}{format_bytes(outside)} for the rest of the step")
+        return [("budget", f"{format_bytes(self.budget_bytes + outside)} "
+                           f"({100 * (self.budget_bytes + outside) / step:.1f}% of the eager step"
+                           + where.format(format_bytes(self.budget_bytes)) + ")"),
+                ("predicted peak", f"{format_bytes(self.predicted_peak_bytes + outside)} "
+                                   f"({100 * self.predicted_step_ratio:.1f}% of the eager step"
+                                   + where.format(format_bytes(self.predicted_peak_bytes)) + ")")]
+
     def summary(self) -> str:
         """A small table for logs."""
         rows = [
@@ -88,12 +106,7 @@ class Plan:
                 + (f", {format_bytes(self.outside_bytes)} of it outside the module"
                    if self.outside_bytes > 0 else ""))] if self.eager_bytes else []),
             ("compiled unmodified peak", format_bytes(self.baseline_bytes)),
-            ("budget", format_bytes(self.budget_bytes) + (" for the module" if self.outside_bytes > 0
-                                                          else "")),
-            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} "
-                               + (f"({100 * self.predicted_step_ratio:.1f}% of the eager step)"
-                                  if self.eager_bytes else
-                                  f"({100 * self.predicted_ratio:.1f}% of baseline)")),
+            *self._step_rows(),
             ("lowest possible peak", format_bytes(self.lower_bound_bytes)),
             ("predicted overhead", f"+{100 * self.predicted_overhead:.1f}% step time "
                                    "(recomputation)"),
