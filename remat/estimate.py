@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .budget import format_bytes
+from .budget import Budget, format_bytes
 
 __all__ = ["MemoryReport", "estimate"]
 
@@ -91,4 +91,4 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
     )
 
 
-_NO_LIMIT = 2**62
+_NO_LIMIT = Budget(bytes=2**62, text="no limit")

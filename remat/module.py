@@ -520,8 +520,9 @@ def rematerialize(
         module: The network to wrap (an ``nn.Module`` in the mode it will train in).
         *example_args: A real example batch, as positional arguments of ``module``.
         budget: Memory budget of the training step: ``"70%"``/``0.7`` of the peak the eager
-            step measures on the example batch, or bytes of that peak (``"6GiB"``, ``"512MB"``,
-            ``1_500_000_000``); see NOTE [ A budget is what the user measures ].
+            step measures on the example batch, or bytes of that peak, with a unit (``"6GiB"``,
+            ``"512MB"``); see NOTE [ A budget is what the user measures ] and NOTE [ A bare
+            number is a fraction ].
         solver: One of ``remat.SOLVERS``.
         time_limit: Seconds the solver may spend; the best schedule found by then is used.
         measure: Time ops on the example (default) or model them from FLOPs and bytes.

@@ -252,7 +252,17 @@ def test_a_solve_cut_by_its_time_limit_says_so(tmp_path, caplog):
         ({"budget": "abc"}, ValueError, r"budget='abc': cannot read this"),
         ({"solver": "hirarchical"}, ValueError,
          r"solver='hirarchical': unknown solver; did you mean 'hierarchical'\?"),
+        ({"budget": 50}, ValueError, r'budget=50: a bare number is a budget only as a fraction in '
+                                     r'\(0, 1\]; for 50 write its unit: "50%" .* "50MiB"'),
+        ({"budget": 1_500_000_000}, ValueError, r'budget=1500000000: a bare number .* '
+                                                r'"1500000000B" for 1500000000 bytes'),
         ({"time_limit": 0}, ValueError, r"time_limit=0: expected a finite number of seconds > 0"),
+        ({"time_limit": float("nan")}, ValueError,
+         r"time_limit=nan: expected a finite number of seconds > 0; pass e.g. time_limit=60"),
+        ({"time_limit": float("inf")}, ValueError, r"time_limit=inf: expected a finite number"),
+        ({"time_limit": -1}, ValueError, r"time_limit=-1: expected a finite number"),
+        ({"time_limit": True}, TypeError, r"time_limit=True: expected a number of seconds > 0, "
+                                          r"got a bool"),
         ({"time_limit": "60"}, TypeError, r"time_limit='60': expected a number of seconds"),
         ({"module": ""}, ValueError, r"'' is not an attribute path"),
         ({"module": 3}, TypeError, r"module=3: expected None \(automatic\)"),
@@ -260,7 +270,9 @@ def test_a_solve_cut_by_its_time_limit_says_so(tmp_path, caplog):
         ({"strict": "yes"}, TypeError, r"strict='yes': expected True or False"),
         ({"cache_dir": 5}, TypeError, r"cache_dir=5: expected a directory path or None"),
     ],
-    ids=["150%", "-1GB", "abc", "solver-typo", "time-limit-0", "time-limit-str", "module-empty",
+    ids=["150%", "-1GB", "abc", "bare-50", "bare-bytes", "solver-typo", "time-limit-0",
+         "time-limit-nan", "time-limit-inf", "time-limit-negative", "time-limit-bool",
+         "time-limit-str", "module-empty",
          "module-int", "module-nested", "strict-str", "cache-dir-int"],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):
