@@ -280,6 +280,48 @@ def test_bad_arguments_fail_at_construction(kwargs, error, match):
         HiRemateCallback(**kwargs)
 
 
+class _ChecksWidth(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, IN)
+
+    def forward(self, x):
+        if x.shape[-1] != IN:
+            raise ValueError(f"expected {IN} features, got {x.shape[-1]}")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+@pytest.mark.parametrize(
+    "module, batch, error, text",
+    [
+        (lambda: nn.Linear(IN, IN, device="meta"), torch.randn(8, IN), ValueError,
+         "rematerialize: the module's parameter 'weight' is on the meta device (a shape without "
+         "data); remat runs and measures the training step, so the model and the batch must "
+         "hold real tensors on the CPU or a CUDA GPU. Materialize the model first, e.g. "
+         "model.to_empty(device='cpu')"),
+        (_ChecksWidth, torch.randn(8, IN + 1), ValueError, f"expected {IN} features, got {IN + 1}"),
+    ],
+    ids=["meta-device", "users-own-ValueError"],
+)
+def test_the_callbacks_solve_passes_user_errors_through(module, batch, error, text, strict):
+    """``solve_targets`` (what HiRemateCallback and HiRemateAccelerator run in fit/prepare) calls
+    ``rematerialize``: a meta model, or the model's own ValueError, reaches the user as such,
+    with or without ``strict``, not as a RematError or a "trains unmodified" warning."""
+    from integrations._remat_shared import Target, check_settings, solve_targets
+
+    settings = check_settings(budget="90%", solver="dp", time_limit=TIME_LIMIT, module=None,
+                              cache_dir=None, strict=strict, verbose=False)
+    target = Target("net", None, "net", module(), explicit=True)
+    with pytest.raises(error) as info:
+        solve_targets([target], {"net": ((batch,), {})}, settings, remat.PlanCache(),
+                      owner="HiRemateCallback")
+    assert str(info.value).startswith(text) and not isinstance(info.value, remat.RematError)
+    if isinstance(target.module, _ChecksWidth):
+        assert "hiremate: raised by _ChecksWidth's own training step" in \
+            "\n".join(info.value.__notes__)
+
+
 def test_unknown_module_fails_before_any_training_step(tmp_path):
     model = LitMLP()
     with pytest.raises(ValueError, match=r"HiRemateCallback\(module='nett'\): LitMLP has no "
