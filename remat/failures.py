@@ -73,6 +73,7 @@ def capture_error(exc: BaseException) -> RematError:
 # unsupported op). The cost, one forward, is paid only by a call that has already failed; Python
 # side effects of ``forward`` other than buffers and RNG (a counter, a hook's list) run once more,
 # and an error only a forward with gradients would raise is not seen (it stays a CaptureError).
+# An out-of-memory error in the re-run says nothing about the model: the remat failure stands.
 # The example call's step is measured eagerly before any capture (``_eager_reference``), so there
 # the user's exception comes straight from the model, and gets a note too.
 
@@ -96,6 +97,8 @@ def own_failure(module: nn.Module, args: tuple, kwargs: dict, failure: BaseExcep
     try:
         with preserve_state(module), torch.no_grad():
             module(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        return None  # says nothing about the model: the remat failure stands
     except Exception as exc:  # noqa: BLE001 - whatever the model raises is the model's
         cause = getattr(failure, "inner_exception", None) or failure
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]

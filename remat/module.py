@@ -439,10 +439,13 @@ def _eager_reference(module: nn.Module, args: tuple, kwargs: dict, eager: int | 
             # NOTE [ The user's own exceptions ]: the devices were checked, so this is the
             # model's own step failing as it does without remat; the capture would too.
             mismatch = device_mismatch(module, args, kwargs)
+            fix = ("measure it on a smaller example batch, or pass eager_peak_bytes= measured "
+                   "another way" if isinstance(exc, torch.OutOfMemoryError) else
+                   "fix the model or the example inputs")
             add_note(exc, f"hiremate: raised by {type(module).__name__}'s own training step "
                            "(forward and backward, run eagerly without remat on the example "
-                           "inputs: rematerialize measures it before capturing), so it is not a "
-                           "remat failure: fix the model or the example inputs"
+                           "inputs: rematerialize measures it before capturing, as a budget is a "
+                           f"share of its peak), so it is not a remat failure: {fix}"
                            + (f". Note that {mismatch}" if mismatch else ""))
             raise
         eager = measured if eager is None else eager

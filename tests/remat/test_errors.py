@@ -271,6 +271,33 @@ def test_a_graph_break_is_still_a_capture_error_after_the_eager_rerun():
     assert not _notes(info.value)
 
 
+class RunsOutOfMemory(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_an_eager_step_out_of_memory_says_how_to_measure_it_otherwise():
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        remat.rematerialize(RunsOutOfMemory(), torch.randn(2, 4))
+    assert ("as a budget is a share of its peak), so it is not a remat failure: measure it on a "
+            "smaller example batch, or pass eager_peak_bytes= measured another way"
+            in _notes(info.value))
+
+
+def test_out_of_memory_in_the_eager_rerun_leaves_the_remat_failure_standing():
+    from remat.failures import own_failure
+
+    failure = RuntimeError("what the call with remat raised")
+    assert own_failure(RunsOutOfMemory(), (torch.randn(2, 4),), {}, failure) is None
+    own = own_failure(ChecksWidth(), (torch.randn(2, 9),), {}, failure)
+    assert type(own) is ValueError and "failed with RuntimeError: what the call with remat " \
+        "raised), so it is not a remat failure: fix the model or its inputs" in _notes(own)
+
+
 def test_the_note_falls_back_to_dunder_notes_without_add_note():
     """Python 3.10 has no BaseException.add_note: the note is kept where 3.11 reads it."""
     from remat.failures import add_note
