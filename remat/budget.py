@@ -149,10 +149,10 @@ def parse_budget(value: str | float | int | Budget, *, name: str = "budget") -> 
         0.7
         >>> parse_budget("512MB").bytes
         512000000
-        >>> parse_budget(50)
+        >>> parse_budget(50)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: budget=50: a bare number is a budget only as a fraction in (0, 1]; for 50 write its unit: ...
+        ValueError: budget=50: a bare number is a budget only as a fraction in (0, 1]; ...
     """
     if isinstance(value, Budget):
         return value

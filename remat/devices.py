@@ -12,7 +12,7 @@ measurement, naming the parameter, buffer or input found there and how to move i
 Tensors on two devices (a model on ``cuda:0`` and a batch on the CPU) are not refused: a model
 may move its inputs itself. When such a step fails, :func:`device_mismatch` names the two
 devices in the note added to the error (NOTE [ The user's own exceptions ] in
-``remat/module.py``). The step is measured on the module's own device.
+``remat/failures.py``). The step is measured on the module's own device.
 """
 from __future__ import annotations
 

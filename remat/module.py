@@ -514,8 +514,8 @@ def rematerialize(
             control flow, unsupported op) — the message names the reason and the workaround.
         Exception: whatever the module's own forward or backward raises on the example inputs
             without remat (a ``ValueError`` for a wrong shape), with its own type and traceback
-            and a note saying where it was raised (NOTE [ The user's own exceptions ]); later
-            calls of the returned module do the same.
+            and a note saying where it was raised (NOTE [ The user's own exceptions ] in
+            :mod:`remat.failures`); later calls of the returned module do the same.
         InfeasibleBudgetError: if no schedule fits the budget (it gives the lowest feasible peak).
 
     Example:
