@@ -139,7 +139,7 @@ VARIANTS = {"hier-only": ("hierarchical", {"exact_top": False}),
             "hier+ilp": ("hierarchical", {"exact_top": True})}
 
 # A budget in bytes that every schedule meets: the unmodified step's reference run.
-_ANYTHING_FITS = 1 << 62
+_ANYTHING_FITS = f"{1 << 62}B"  # bytes carry their unit (remat.parse_budget)
 
 # Steps whose page faults differ by this many pages (1 MiB) differ in time by ~1 ms on CPU for a
 # reason the cost model leaves out (NOTE [ Page faults are not an op's cost ]): said in notes.

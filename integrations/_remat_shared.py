@@ -27,13 +27,11 @@ NOTE [ Budgets over many batch sizes ]
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 import time
 import warnings
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import nn
@@ -100,37 +98,31 @@ def check_settings(
 ) -> RematSettings:
     """Check every setting and return them normalised.
 
+    The budget and the time limit are checked by remat's own checkers (NOTE [ One check per
+    setting ] in ``remat/settings.py``), so the callbacks, the ``HIREMATE_*`` variables, a
+    recipe and ``remat.rematerialize`` accept and refuse the same values.
+
     Args:
         budget, solver, time_limit, module, cache_dir, strict, verbose: As the user gave them.
         names: How the user spelled each setting in messages (default: the argument name, e.g.
             ``{"budget": "HIREMATE_BUDGET"}`` for environment variables).
 
     Raises:
-        ValueError: a malformed budget, an unknown solver, a non-positive time limit, an empty
-            or malformed module name.
+        ValueError: a malformed budget (a bare number other than a fraction in (0, 1]
+            included), an unknown solver, a time limit that is not a finite number > 0, an
+            empty or malformed module name.
         TypeError: a value of the wrong type (``time_limit="60"``, ``strict="yes"``, ...).
     """
     label = {k: k for k in ("budget", "solver", "time_limit", "module", "cache_dir", "strict",
                             "verbose")}
     label.update(names or {})
-    try:
-        parsed = remat.parse_budget(budget)
-    except ValueError as e:
-        message = str(e)
-        if label["budget"] != "budget" and message.startswith("budget="):
-            message = label["budget"] + message[len("budget"):]
-        raise ValueError(message) from e
+    parsed = remat.parse_budget(budget, name=label["budget"])
     if not isinstance(solver, str) or solver not in remat.SOLVERS:
         raise ValueError(
             f"{label['solver']}={solver!r}: unknown solver{_suggest(str(solver), remat.SOLVERS)}; "
             f"expected one of {', '.join(remat.SOLVERS)} (default {remat.DEFAULT_SOLVER!r})"
         )
-    if isinstance(time_limit, bool) or not isinstance(time_limit, Real):
-        raise TypeError(f"{label['time_limit']}={time_limit!r}: expected a number of seconds > 0, "
-                        "e.g. time_limit=60")
-    if not (math.isfinite(float(time_limit)) and time_limit > 0):
-        raise ValueError(f"{label['time_limit']}={time_limit!r}: expected a finite number of "
-                         "seconds > 0, e.g. time_limit=60")
+    seconds = remat.check_time_limit(time_limit, name=label["time_limit"])
     names_ = _check_module(module, label["module"])
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"{label['cache_dir']}={cache_dir!r}: expected a directory path or None")
@@ -138,7 +130,7 @@ def check_settings(
         if not isinstance(value, bool):
             raise TypeError(f"{label[key]}={value!r}: expected True or False")
     return RematSettings(
-        budget=parsed, solver=solver, time_limit=float(time_limit), module=names_,
+        budget=parsed, solver=solver, time_limit=seconds, module=names_,
         cache_dir=None if cache_dir is None else os.fspath(cache_dir), strict=strict,
         verbose=verbose,
     )

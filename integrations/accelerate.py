@@ -125,7 +125,8 @@ class HiRematePlugin:
     Args:
         budget: Memory budget: ``"70%"``/``0.7`` of the model's eager step peak measured on the
             example batch (its loss, when the model computes it; a loss computed outside the
-            model is not measured here), or bytes of that peak (``"6GiB"``, ``1_500_000_000``).
+            model is not measured here), or bytes of that peak with a unit (``"6GiB"``,
+            ``"512MB"``; ``HIREMATE_BUDGET=50`` is refused: ``50%`` or ``50MiB``?).
         solver: One of ``remat.SOLVERS``.
         time_limit: Seconds each solve may take.
         module: ``None`` (the whole model), or the name(s) of submodules to rematerialize in
@@ -138,7 +139,8 @@ class HiRematePlugin:
         verbose: Log progress lines and the summary table (``logging``, main process only).
 
     Raises:
-        ValueError: a malformed budget, unknown solver, non-positive time limit, bad module name.
+        ValueError: a malformed budget (a bare ``50`` included), unknown solver, a time limit
+            that is not a finite number > 0, bad module name.
         TypeError: a value of the wrong type.
 
     Example:
@@ -217,10 +219,12 @@ def _parse_env(name: str, key: str, raw: str) -> Any:
     value = raw.strip()
     if key == "time_limit":
         try:
-            return float(value)
+            seconds = float(value)
         except ValueError:
             raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0, e.g. "
                              f"{name}=60") from None
+        # NOTE [ One check per setting ]: the message shows the variable as it was written.
+        return remat.check_time_limit(seconds, name=name, shown=repr(raw))
     if key in ("strict", "verbose"):
         if value.lower() in _TRUE:
             return True

@@ -178,7 +178,8 @@ class HiRemateCallback(Callback):
     Args:
         budget: Memory budget: ``"70%"``/``0.7`` of the unmodified warmup step's measured peak
             (the whole ``training_step`` with its loss; what runs outside the targets is charged
-            against it), or bytes of that peak (``"6GiB"``, ``"512MB"``, ``1_500_000_000``).
+            against it), or bytes of that peak, with a unit (``"6GiB"``, ``"512MB"``; a bare
+            number other than a fraction in (0, 1], such as ``50``, is refused).
         module: Which LightningModule attribute(s) to rematerialize: a name (``"net"``), a dotted
             path (``"model.encoder"``) or a list of them. Default: every top-level child holding
             parameters that is called during the training step.
@@ -204,8 +205,9 @@ class HiRemateCallback(Callback):
             up to the optimizer step), or ``None``.
 
     Raises:
-        ValueError: a malformed budget (``"150%"``, ``"-1GB"``, ``"abc"``), an unknown solver, a
-            non-positive time limit or a malformed module name: in ``__init__``. An unsupported
+        ValueError: a malformed budget (``"150%"``, ``"-1GB"``, ``"abc"``, a bare ``50``), an
+            unknown solver, a time limit that is not a finite number > 0 (``nan``, ``inf``,
+            ``0``) or a malformed module name: in ``__init__``. An unsupported
             strategy: in ``setup``. A ``module=`` name that is not a submodule of the
             LightningModule: at the start of ``on_fit_start``, before any batch is read (the
             attribute may be created by ``configure_model``, after ``setup``).

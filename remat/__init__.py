@@ -22,6 +22,7 @@ from .memory import MemoryTracker, track_memory
 from .module import RematModule, measure_eager_step, rematerialize
 from .plan import Plan
 from .schedule import Schedule, Simulation, simulate
+from .settings import check_time_limit
 from .solvers import SOLVERS
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "Value",
     "ValueKind",
     "backend",
+    "check_time_limit",
     "estimate",
     "format_bytes",
     "measure_eager_step",

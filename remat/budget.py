@@ -1,10 +1,18 @@
 """Memory budgets: what a user may write, and what it means in bytes.
 
 A budget is either a *fraction* of the memory the user's training step peaks at today
-(``"70%"``, ``0.7``) or an absolute number of *bytes* for that peak (``"6GiB"``, ``"512MB"``,
-``1_500_000_000``). :func:`parse_budget` turns any accepted spelling into a frozen
-:class:`Budget`; :meth:`Budget.resolve` turns it into the bytes a schedule may use once the
-baseline (and the :class:`Reference`, what the user measures) is known.
+(``"70%"``, ``0.7``) or an absolute number of *bytes* for that peak, always with its unit
+(``"6GiB"``, ``"512MB"``, ``"1500000000B"``). :func:`parse_budget` turns any accepted spelling
+into a frozen :class:`Budget`; :meth:`Budget.resolve` turns it into the bytes a schedule may use
+once the baseline (and the :class:`Reference`, what the user measures) is known.
+
+NOTE [ A bare number is a fraction ]
+A number without a unit is a budget only as a fraction in (0, 1]: ``0.7``, ``"0.7"``, ``1.0``,
+and ``1`` / ``"1"`` (the whole step, 100%). Every other bare number is refused with both of its
+readings (``50``: ``"50%"`` or ``"50MiB"``?). Bare integers used to be bytes, so ``1`` meant
+100% while ``2`` meant 2 bytes and ``remat.budget=50`` in a recipe passed ``--check`` as a
+50-byte budget that no model can meet; the unit makes the intent visible where it is written.
+Budgets built inside remat (``Budget(bytes=...)``) are not parsed and are unaffected.
 
 NOTE [ A budget is what the user measures ]
 What a user sees is the peak of their eager training step: forward, loss and backward, measured
@@ -40,9 +48,8 @@ _NUMBER_UNIT = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([
 _PERCENT = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+))\s*%\s*$")
 
 _ACCEPTED = (
-    'a percentage in (0%, 100%] such as "70%", a fraction in (0, 1] such as 0.7, '
-    'a byte count with a unit such as "6GiB" or "512MB", or a positive integer number of bytes '
-    "such as 1_500_000_000"
+    'a percentage in (0%, 100%] such as "70%", a fraction in (0, 1] such as 0.7, or a byte count '
+    'with its unit such as "6GiB", "512MB" or "1500000B"'
 )
 
 
@@ -117,68 +124,86 @@ class Reference:
         return self.step_bytes * scale, self.outside_bytes * scale
 
 
-def _reject(value: object, why: str) -> ValueError:
-    return ValueError(f"budget={value!r}: {why}; pass {_ACCEPTED}")
+def _reject(name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{name}={value!r}: {why}; pass {_ACCEPTED}")
 
 
-def parse_budget(value: str | float | int | Budget) -> Budget:
+def parse_budget(value: str | float | int | Budget, *, name: str = "budget") -> Budget:
     """Parse a memory budget.
 
+    A number without a unit is a fraction, and only in (0, 1]; bytes always carry their unit
+    (NOTE [ A bare number is a fraction ]).
+
     Args:
-        value: ``"70%"`` / ``0.7`` (fraction of the eager training step's measured peak),
-            ``"6GiB"`` / ``"512MB"`` / ``"1.5e9B"`` (bytes; SI and binary units), or an ``int``
-            number of bytes (``1_500_000_000``). A :class:`Budget` is returned unchanged.
+        value: ``"70%"`` / ``0.7`` / ``"0.7"`` (fraction of the eager training step's measured
+            peak; ``1`` and ``"1"`` are 100%), or ``"6GiB"`` / ``"512MB"`` / ``"1.5e9B"``
+            (bytes; SI and binary units). A :class:`Budget` is returned unchanged.
+        name: The setting as the user spelled it, for messages (``"HIREMATE_BUDGET"``).
 
     Returns:
         A frozen :class:`Budget`.
 
     Raises:
-        ValueError: for anything else (``"150%"``, ``"-1GB"``, ``"abc"``, ``0``, ``True``, NaN),
-            naming the value and the accepted forms.
+        ValueError: for anything else (``"150%"``, ``"-1GB"``, ``"abc"``, ``0``, ``True``, NaN,
+            and bare numbers other than fractions: ``50``, ``"50"``, ``1_500_000_000``), naming
+            the value and the accepted forms.
 
     Example:
         >>> parse_budget("70%").fraction
         0.7
         >>> parse_budget("512MB").bytes
         512000000
+        >>> parse_budget(50)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: budget=50: a bare number is a budget only as a fraction in (0, 1]; ...
     """
     if isinstance(value, Budget):
         return value
     if isinstance(value, bool):  # bool is an Integral: refuse it explicitly
-        raise _reject(value, "a bool is not a budget")
-    if isinstance(value, Integral):
-        if value <= 0:
-            raise _reject(value, "a byte budget must be positive")
-        if value == 1:
-            return Budget(fraction=1.0, text=repr(value))
-        return Budget(bytes=int(value), text=repr(value))
+        raise _reject(name, value, "a bool is not a budget")
     if isinstance(value, Real):
-        return _fraction(float(value), value)
+        return _number(value, value, name)
     if not isinstance(value, str):
-        raise _reject(value, f"a {type(value).__name__} is not a budget")
+        raise _reject(name, value, f"a {type(value).__name__} is not a budget")
     match = _PERCENT.match(value)
     if match:
-        return _fraction(float(match.group(1)) / 100.0, value, percent=True)
+        return _fraction(float(match.group(1)) / 100.0, value, name, percent=True)
     match = _NUMBER_UNIT.match(value)
     if not match:
-        raise _reject(value, "cannot read this as a percentage, a fraction or a byte count")
+        raise _reject(name, value, "cannot read this as a percentage, a fraction or a byte count")
     number, unit = float(match.group(1)), match.group(2).lower()
     if not unit:
-        # A bare number in a string: "0.7" is a fraction, "2000000" bytes, as unquoted.
-        return parse_budget(int(number) if number.is_integer() and number > 1 else number)
+        return _number(number, value, name)  # "0.7" and "1" as unquoted; "50" is refused
     if unit not in _UNITS:
-        raise _reject(value, f"unknown unit {match.group(2)!r} (known: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        raise _reject(name, value, f"unknown unit {match.group(2)!r} (known: B, KB, MB, GB, TB, "
+                                   "KiB, MiB, GiB, TiB)")
     nbytes = number * _UNITS[unit]
     if not math.isfinite(nbytes) or nbytes < 1:
-        raise _reject(value, "a byte budget must be at least 1 byte")
+        raise _reject(name, value, "a byte budget must be at least 1 byte")
     return Budget(bytes=int(nbytes), text=value)
 
 
-def _fraction(fraction: float, original: object, percent: bool = False) -> Budget:
+def _number(number: Real, original: object, name: str) -> Budget:
+    """A number without a unit: a fraction in (0, 1] (NOTE [ A bare number is a fraction ])."""
+    x = float(number)
+    if math.isfinite(x) and x > 1 and x.is_integer():
+        n = int(x)
+        readings = (f'"{n}%" ({n}% of the measured step) or a byte count such as "{n}MiB" '
+                    f'("{n}B" is {n} bytes)' if n <= 100 else
+                    f'"{n}B" for {n} bytes ({format_bytes(n)}), or a percentage such as "70%"')
+        raise ValueError(f"{name}={original!r}: a bare number is a budget only as a fraction in "
+                         f"(0, 1]; for {n} write its unit: {readings}")
+    if isinstance(number, Integral) and x <= 0:
+        raise _reject(name, original, "a budget must be positive")
+    return _fraction(x, original, name)
+
+
+def _fraction(fraction: float, original: object, name: str, percent: bool = False) -> Budget:
     if not math.isfinite(fraction) or not 0.0 < fraction <= 1.0:
         if percent:
-            raise _reject(original, "a percentage budget must be in (0%, 100%]")
-        raise _reject(original, "a fraction budget must be in (0, 1]")
+            raise _reject(name, original, "a percentage budget must be in (0%, 100%]")
+        raise _reject(name, original, "a fraction budget must be in (0, 1]")
     return Budget(fraction=fraction, text=str(original))
 
 

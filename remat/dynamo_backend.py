@@ -29,6 +29,7 @@ from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
 from .planner import checkpoint_schedule, describe, plan_graph
 from .schedule import Schedule, save_all_schedule, simulate
+from .settings import check_time_limit
 from .sizes import ShapePlans, SizedGraph, structure_key
 from .solvers import get_solver
 from .symbolic import hint, input_dims, symbol_values
@@ -75,11 +76,8 @@ class RematBackend:
                  cache: PlanCache | str | bool | None = None) -> None:
         self.budget = parse_budget(budget)
         get_solver(solver)  # validates the name now, not at the first step
-        if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or time_limit <= 0:
-            raise ValueError(f"time_limit={time_limit!r}: must be a positive number of seconds; "
-                             "pass e.g. time_limit=60")
         self.solver = solver
-        self.time_limit = float(time_limit)
+        self.time_limit = check_time_limit(time_limit)  # NOTE [ One check per setting ]
         self.measure = measure
         self.options = dict(options or {})
         self.cache = resolve_cache(cache)
@@ -265,9 +263,10 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
     """A ``torch.compile`` backend that keeps each graph's activation peak under ``budget``.
 
     Args:
-        budget: ``"70%"``, ``0.7``, ``"6GiB"``, ``1_500_000_000``... (see :func:`remat.parse_budget`).
+        budget: ``"70%"``, ``0.7``, ``"6GiB"``, ``"512MB"``... (see :func:`remat.parse_budget`).
         solver: One of ``remat.SOLVERS`` (default ``"hierarchical"``).
-        time_limit: Seconds each solve may take; the best schedule found by then is used.
+        time_limit: Seconds each solve may take (finite, > 0); the best schedule found by then
+            is used.
         measure: Time ops on the real example inputs (default) or model them from FLOPs.
         options: Solver-specific options.
         cache: Graphs solved before are not solved again: ``True`` (default) keeps schedules

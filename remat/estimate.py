@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .budget import format_bytes
+from .budget import Budget, format_bytes
 
 __all__ = ["MemoryReport", "estimate"]
 
@@ -70,11 +70,19 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
     Returns:
         A :class:`MemoryReport`; ``print(report.summary())`` for a table.
 
+    Raises:
+        ValueError: a parameter, buffer or input on the meta device or a device other than the
+            CPU and CUDA (NOTE [ Devices remat can run on ] in :mod:`remat.devices`).
+        CaptureError: as :func:`remat.rematerialize`; the module's own exceptions propagate
+            with a note (NOTE [ The user's own exceptions ] in :mod:`remat.failures`).
+
     Example:
         >>> print(remat.estimate(model, batch).summary())
     """
+    from .devices import step_device
     from .module import rematerialize
 
+    step_device(module, example_args, example_kwargs, owner="estimate")  # before measuring
     # No limit: the unmodified step is what is reported (a percentage could be below it).
     rm = rematerialize(module, *example_args, budget=_NO_LIMIT, solver="none", **example_kwargs)
     plan = rm.plan
@@ -91,4 +99,4 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
     )
 
 
-_NO_LIMIT = 2**62
+_NO_LIMIT = Budget(bytes=2**62, text="no limit")

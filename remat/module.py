@@ -20,12 +20,11 @@ registered) to be compiled and to serve calls that need no backward (``no_grad``
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,8 +32,11 @@ import torch.nn as nn
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend
 from .budget import Budget
 from .cache import PlanCache
+from .devices import device_mismatch, step_device
 from .errors import CaptureError, RematError
+from .failures import add_note, capture_error, own_failure
 from .plan import Plan
+from .state import preserve_state
 
 __all__ = ["RematModule", "measure_eager_step", "rematerialize"]
 
@@ -76,27 +78,6 @@ def _capture_config(leaves: list[Any]):
                                       specialize_float=not floats_in_call)
 
 
-@contextlib.contextmanager
-def _preserve_state(module: nn.Module) -> Iterator[None]:
-    """Run code without changing the module's buffers, any RNG stream or any ``.grad``: the
-    parameters' gradients are set aside (``None`` inside, as after ``zero_grad``) and put back."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    grads = [(p, p.grad) for p in module.parameters()]
-    devices = sorted({b.device.index for b, _ in buffers if b.device.type == "cuda"} |
-                     {p.device.index for p, _ in grads if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            for p, _ in grads:
-                p.grad = None
-            yield
-        finally:
-            with torch.no_grad():
-                for buf, snapshot in buffers:
-                    buf.copy_(snapshot)
-            for p, grad in grads:
-                p.grad = grad
-
-
 def _differentiable(out: Any) -> list[torch.Tensor]:
     """The floating-point tensors in ``out`` that require grad."""
     from torch.utils._pytree import tree_flatten
@@ -120,13 +101,6 @@ def _backward_root(out: Any) -> tuple[torch.Tensor | None, bool]:
     return (sum(parts[1:], parts[0]) if parts else None), bool(losses)
 
 
-def _device_of(module: nn.Module, leaves: list[Any]) -> torch.device:
-    for t in [*module.parameters(), *module.buffers(), *leaves]:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
 def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
     """Measure the peak memory of ``module``'s eager training step on this batch.
 
@@ -143,12 +117,15 @@ def measure_eager_step(module: nn.Module, *args: Any, **kwargs: Any) -> int:
         Peak bytes allocated during the step above what was live before it.
 
     Raises:
+        ValueError: a parameter, buffer or input on the meta device or another device than the
+            CPU and CUDA (NOTE [ Devices remat can run on ] in :mod:`remat.devices`).
         RuntimeError: on CPU inside another ``torch.profiler`` session (see :func:`track_memory`).
 
     Example:
         >>> remat.measure_eager_step(model, batch)  # doctest: +SKIP
         153092096
     """
+    step_device(module, args, kwargs, owner="measure_eager_step")
     return _eager_step(module, args, kwargs)[0]
 
 
@@ -156,10 +133,9 @@ def _eager_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int,
     """:func:`measure_eager_step`'s ``(peak, held when the forward returns, bytes of the
     differentiable outputs)``; the last two place the loss head (NOTE [ The loss head's pulse ])."""
     from .memory import track_memory
-    from torch.utils._pytree import tree_flatten
 
-    device = _device_of(module, tree_flatten((args, kwargs))[0])
-    with _preserve_state(module), torch.enable_grad():
+    device = step_device(module, args, kwargs)  # checked by the caller: no error from here
+    with preserve_state(module), torch.enable_grad():
         with track_memory(device) as memory:
             out = module(*args, **kwargs)
             memory.mark()
@@ -172,38 +148,6 @@ def _eager_step(module: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int,
                 root.backward()
             del out, root
     return memory.peak_bytes, memory.marks[0], outputs
-
-
-_DATA_DEPENDENT = ("data-dependent", "data dependent", "guardondatadependentsymnode")
-
-
-def _capture_error(exc: BaseException) -> RematError:
-    """Turn a dynamo failure into a :class:`CaptureError` that says what to do."""
-    import torch._dynamo.exc as dynamo_exc
-
-    inner = getattr(exc, "inner_exception", None)
-    if isinstance(inner, RematError):
-        return inner
-    cause = inner if inner is not None else exc
-    text = [line for line in str(cause).strip().splitlines() if line.strip()]
-    first = text[0] if text else ""
-    lowered = f"{type(cause).__name__} {cause}".lower()
-    workaround = ("or use torch.compile(model, backend=remat.backend(...)), which rematerializes "
-                  "each graph dynamo captures between the breaks (code dynamo cannot trace, such "
-                  "as nn.LSTM's fused kernel, stays eager and is not rematerialized)")
-    if any(k in lowered for k in _DATA_DEPENDENT):
-        return CaptureError(
-            f"cannot capture the model as one graph: control flow or shapes depend on tensor "
-            f"values ({first}). Fix: make them independent of tensor values (or move that code "
-            f"outside the module, e.g. a mixture-of-experts router's top-k dispatch), "
-            f"{workaround}.", reason="data_dependent")
-    if isinstance(exc, dynamo_exc.Unsupported):
-        return CaptureError(
-            f"cannot capture the model as one graph: {first}. Fix: remove this graph break "
-            f"(`torch._dynamo.explain(model)(*args)` lists all of them), {workaround}.",
-            reason="graph_break")
-    return CaptureError(f"cannot capture the model: {type(cause).__name__}: {first}. If the model "
-                        "runs eagerly, please report it.", reason="other")
 
 
 def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -382,6 +326,25 @@ class RematModule(nn.Module):
             return None
         return shapes.choose(first.key, sizes).entry
 
+    def _run_compiled(self, entry: int | None, leaves: list[Any], args: tuple,
+                      kwargs: dict) -> Any:
+        """Run schedule ``entry``'s compiled step (compiling it on first use)."""
+        backend = self._remat_backend
+        step = self._slot(entry)
+        backend.current_leaves = leaves
+        unmarked = [x for x in leaves if isinstance(x, torch.Tensor)
+                    and not hasattr(x, _PROPAGATED_DIMS)]
+        try:
+            # NOTE [ Log calls inside the captured forward ], NOTE [ Floats are constants of
+            # the capture ]
+            with _capture_config(leaves):
+                return step(self._remat_original, args, kwargs)
+        finally:
+            backend.current_leaves = []
+            for x in unmarked:  # NOTE [ The user's tensors leave as they came ]
+                if hasattr(x, _PROPAGATED_DIMS):
+                    delattr(x, _PROPAGATED_DIMS)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Frameworks set ``.training`` on every registered submodule directly (Lightning after
         # validation); the original is not registered, so copy the flag here.
@@ -395,30 +358,21 @@ class RematModule(nn.Module):
         backend = self._remat_backend
         try:
             entry = decisions[key] if key in decisions else self._decide(leaves)
-            if entry is not None and backend.shapes.entries[entry].eager:
-                decisions.setdefault(key, entry)  # NOTE [ The unmodified step runs eagerly ]
-                return self._remat_original(*args, **kwargs)
-            step = self._slot(entry)
-            backend.current_leaves = leaves
-            unmarked = [x for x in leaves if isinstance(x, torch.Tensor)
-                        and not hasattr(x, _PROPAGATED_DIMS)]
-            try:
-                # NOTE [ Log calls inside the captured forward ], NOTE [ Floats are
-                # constants of the capture ]
-                with _capture_config(leaves):
-                    out = step(self._remat_original, args, kwargs)
-            finally:
-                backend.current_leaves = []
-                for x in unmarked:  # NOTE [ The user's tensors leave as they came ]
-                    if hasattr(x, _PROPAGATED_DIMS):
-                        delattr(x, _PROPAGATED_DIMS)
+            eager = entry is not None and backend.shapes.entries[entry].eager
+            out = None if eager else self._run_compiled(entry, leaves, args, kwargs)
         except RematError:
             raise
         except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
-            error = _capture_error(exc)
+            error = capture_error(exc)
             if error is getattr(exc, "inner_exception", None):
                 raise error.with_traceback(None) from None  # our own error, raised in the backend
+            own = own_failure(self._remat_original, args, kwargs, exc)
+            if own is not None:  # NOTE [ The user's own exceptions ]
+                raise own from None
             raise error from exc
+        if eager:
+            decisions.setdefault(key, entry)  # NOTE [ The unmodified step runs eagerly ]
+            return self._remat_original(*args, **kwargs)  # the model's own errors, as they are
         if entry is None and backend.last_entry is not None:
             # The step compiled for "whichever fits" now runs a known schedule: file it there.
             entry = backend.last_entry
@@ -435,7 +389,7 @@ class RematModule(nn.Module):
     def capture(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile and solve for these inputs without changing any state (buffers, RNG)."""
         before = len(self._remat_backend.plans)
-        with _preserve_state(self._remat_original), torch.enable_grad():
+        with preserve_state(self._remat_original), torch.enable_grad():
             out = self.forward(*args, **kwargs)
         del out
         if len(self._remat_backend.plans) == before and not self._remat_backend.plans:
@@ -482,13 +436,24 @@ def _eager_reference(module: nn.Module, args: tuple, kwargs: dict, eager: int | 
     if eager is None or (step is not None and step > eager):
         try:
             measured, held, outputs = _eager_step(module, args, kwargs)
-        except RuntimeError as exc:
-            if not torch._C._autograd._profiler_enabled():
-                raise  # the model's own error: the capture would fail the same way
-            # A profiler session is running (CPU): track_memory cannot measure inside it.
-            warnings.warn(f"remat: cannot measure the eager step ({exc}); the budget applies to "
-                          "the captured step's unmodified peak instead", stacklevel=3)
-            return None
+        except Exception as exc:  # noqa: BLE001 - the model's own, re-raised with a note
+            if isinstance(exc, RuntimeError) and torch._C._autograd._profiler_enabled():
+                # A profiler session is running (CPU): track_memory cannot measure inside it.
+                warnings.warn(f"remat: cannot measure the eager step ({exc}); the budget applies "
+                              "to the captured step's unmodified peak instead", stacklevel=3)
+                return None
+            # NOTE [ The user's own exceptions ]: the devices were checked, so this is the
+            # model's own step failing as it does without remat; the capture would too.
+            mismatch = device_mismatch(module, args, kwargs)
+            fix = ("measure it on a smaller example batch, or pass eager_peak_bytes= measured "
+                   "another way" if isinstance(exc, torch.OutOfMemoryError) else
+                   "fix the model or the example inputs")
+            add_note(exc, f"hiremate: raised by {type(module).__name__}'s own training step "
+                           "(forward and backward, run eagerly without remat on the example "
+                           "inputs: rematerialize measures it before capturing, as a budget is a "
+                           f"share of its peak), so it is not a remat failure: {fix}"
+                           + (f". Note that {mismatch}" if mismatch else ""))
+            raise
         eager = measured if eager is None else eager
         if eager <= 0:
             return None
@@ -526,8 +491,9 @@ def rematerialize(
         module: The network to wrap (an ``nn.Module`` in the mode it will train in).
         *example_args: A real example batch, as positional arguments of ``module``.
         budget: Memory budget of the training step: ``"70%"``/``0.7`` of the peak the eager
-            step measures on the example batch, or bytes of that peak (``"6GiB"``, ``"512MB"``,
-            ``1_500_000_000``); see NOTE [ A budget is what the user measures ].
+            step measures on the example batch, or bytes of that peak, with a unit (``"6GiB"``,
+            ``"512MB"``); see NOTE [ A budget is what the user measures ] and NOTE [ A bare
+            number is a fraction ].
         solver: One of ``remat.SOLVERS``.
         time_limit: Seconds the solver may spend; the best schedule found by then is used.
         measure: Time ops on the example (default) or model them from FLOPs and bytes.
@@ -551,9 +517,15 @@ def rematerialize(
 
     Raises:
         TypeError: if ``module`` is not an ``nn.Module``.
-        ValueError: for a malformed budget, solver name or time limit.
+        ValueError: for a malformed budget, solver name or time limit; for a parameter, buffer
+            or input on the meta device or a device other than the CPU and CUDA (before
+            anything is measured: NOTE [ Devices remat can run on ] in :mod:`remat.devices`).
         CaptureError: if the model cannot be captured as one graph (graph break, data-dependent
             control flow, unsupported op) — the message names the reason and the workaround.
+        Exception: whatever the module's own forward or backward raises on the example inputs
+            without remat (a ``ValueError`` for a wrong shape), with its own type and traceback
+            and a note saying where it was raised (NOTE [ The user's own exceptions ] in
+            :mod:`remat.failures`); later calls of the returned module do the same.
         InfeasibleBudgetError: if no schedule fits the budget (it gives the lowest feasible peak).
 
     Example:
@@ -570,6 +542,7 @@ def rematerialize(
                         "its .original to solve again with other settings")
     backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
                            options=options, cache=cache)
+    step_device(module, example_args, example_kwargs)  # NOTE [ Devices remat can run on ]
     backend.eager = _eager_reference(module, example_args, example_kwargs, eager_peak_bytes,
                                      step_peak_bytes)
     rm = RematModule(module, backend)

@@ -4,7 +4,7 @@ Example (YAML)::
 
     remat:
       enabled: true
-      budget: 50%        # or 0.5, or "6GiB", or a byte count
+      budget: 50%        # or 0.5, or 6GiB / 512MB (bytes always carry a unit)
       module: net        # default: every top-level child holding parameters
 
 Paper: Gusak, Zhao, Le Hellard, Li, Eyraud-Dubois, Beaumont, "HiRemate: Hierarchical Approach for
@@ -26,13 +26,14 @@ class RematConfig:
     Attributes:
         enabled: Add the callback to the run.
         budget: Activation-memory budget: ``"70%"`` / ``0.7`` (fraction of the unmodified
-            network's activation peak) or ``"6GiB"`` / ``"512MB"`` / an int (bytes). Checked with
+            network's activation peak) or ``"6GiB"`` / ``"512MB"`` (bytes, always with a unit:
+            ``budget: 50`` is refused, as it could be 50% or 50 bytes). Checked with
             ``remat.parse_budget`` when the recipe is loaded. YAML keeps the type:
             ``budget: 0.7`` is a float, ``budget: 70%`` a string; both mean the same.
         module: Which LightningModule attribute(s) to rematerialize: ``null`` (every top-level
             child holding parameters, i.e. ``net`` in the recipe tasks), a name, or a list of names.
         solver: The solver name, passed through (``HiRemateCallback`` checks it).
-        time_limit: Seconds the solver may take (> 0).
+        time_limit: Seconds the solver may take (a finite number > 0).
         cache_dir: Directory of the plan cache; ``null``: the user's cache directory
             (``HIREMATE_CACHE_DIR``), ``off``: plans kept in memory only.
         strict: Raise (instead of warning and training unmodified) when the network cannot be
@@ -50,17 +51,14 @@ class RematConfig:
     verbose: bool = True
 
     def __post_init__(self) -> None:
-        from remat import parse_budget  # lazy: keeps the plugin module cheap to import
+        # remat's own checkers (NOTE [ One check per setting ] in remat/settings.py), imported
+        # lazily to keep the plugin module cheap to import.
+        from remat import check_time_limit, parse_budget
 
         try:
             parse_budget(self.budget)
         except ValueError as e:
-            # parse_budget's message starts with "budget=<value>: "; the loader adds the key.
-            reason = str(e)
-            prefix = f"budget={self.budget!r}: "
-            raise InvalidValue(
-                "budget", self.budget, reason[len(prefix):] if reason.startswith(prefix) else reason
-            ) from e
+            raise _invalid("budget", self.budget, e) from e
         module = self.module
         names = [module] if isinstance(module, str) else module
         names_ok = isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)
@@ -69,8 +67,18 @@ class RematConfig:
                 "module", module,
                 "expected null (auto), an attribute name such as net, or a list of names",
             )
-        if not self.time_limit > 0:
-            raise InvalidValue("time_limit", self.time_limit, "expected a number of seconds > 0")
+        try:
+            check_time_limit(self.time_limit, name="remat.time_limit")
+        except (ValueError, TypeError) as e:
+            raise _invalid("time_limit", self.time_limit, e, name="remat.time_limit") from e
+
+
+def _invalid(key: str, value: Any, error: Exception, name: str | None = None) -> InvalidValue:
+    """remat's ``<name>=<value>: reason`` message as an :class:`InvalidValue` (the loader adds
+    the section and where the value came from)."""
+    reason = str(error)
+    prefix = f"{name or key}={value!r}: "
+    return InvalidValue(key, value, reason[len(prefix):] if reason.startswith(prefix) else reason)
 
 
 def make_callback(cfg: RematConfig) -> Any:

@@ -186,8 +186,17 @@ def test_function_without_plugin_or_flag_returns_the_model(monkeypatch):
          r"HIREMATE_SOLVER='ilpp': unknown solver; did you mean 'ilp'\?"),
         ({"HIREMATE_BUDGET": "50%", "HIREMATE_TIME_LIMIT": "soon"},
          r"HIREMATE_TIME_LIMIT='soon': expected a number of seconds"),
+        ({"HIREMATE_BUDGET": "50"}, r'HIREMATE_BUDGET=\'50\': a bare number is a budget only as '
+                                    r'a fraction in \(0, 1\]; for 50 write its unit: "50%"'),
         ({"HIREMATE_BUDGET": "50%", "HIREMATE_TIME_LIMIT": "-5"},
-         r"HIREMATE_TIME_LIMIT=-5.0: expected a finite number of seconds > 0"),
+         r"HIREMATE_TIME_LIMIT='-5': expected a finite number of seconds > 0; pass e.g. "
+         r"HIREMATE_TIME_LIMIT=60"),
+        ({"HIREMATE_BUDGET": "50%", "HIREMATE_TIME_LIMIT": "nan"},
+         r"HIREMATE_TIME_LIMIT='nan': expected a finite number of seconds > 0"),
+        ({"HIREMATE_BUDGET": "50%", "HIREMATE_TIME_LIMIT": "inf"},
+         r"HIREMATE_TIME_LIMIT='inf': expected a finite number of seconds > 0"),
+        ({"HIREMATE_BUDGET": "50%", "HIREMATE_TIME_LIMIT": "0"},
+         r"HIREMATE_TIME_LIMIT='0': expected a finite number of seconds > 0"),
         ({"HIREMATE_BUDGET": "50%", "HIREMATE_STRICT": "maybe"},
          r"HIREMATE_STRICT='maybe': expected one of 1, true, yes, on, 0, false, no, off"),
         ({"HIREMATE_BUDGET": "50%", "HIREMATE_MODULE": " , "},
@@ -196,7 +205,8 @@ def test_function_without_plugin_or_flag_returns_the_model(monkeypatch):
                                     r"HIREMATE_BUDGET\?"),
         ({"HIREMATE_SOLVER": "dp"}, r"HIREMATE_SOLVER is set but HIREMATE_BUDGET is not"),
     ],
-    ids=["150%", "-1GB", "abc", "solver", "time-limit-text", "time-limit-negative", "strict",
+    ids=["150%", "-1GB", "abc", "solver", "time-limit-text", "bare-50", "time-limit-negative",
+         "time-limit-nan", "time-limit-inf", "time-limit-0", "strict",
          "module-empty", "misspelt-variable", "no-budget"],
 )
 def test_bad_environment_is_a_clear_error(env, match):

@@ -252,7 +252,17 @@ def test_a_solve_cut_by_its_time_limit_says_so(tmp_path, caplog):
         ({"budget": "abc"}, ValueError, r"budget='abc': cannot read this"),
         ({"solver": "hirarchical"}, ValueError,
          r"solver='hirarchical': unknown solver; did you mean 'hierarchical'\?"),
+        ({"budget": 50}, ValueError, r'budget=50: a bare number is a budget only as a fraction in '
+                                     r'\(0, 1\]; for 50 write its unit: "50%" .* "50MiB"'),
+        ({"budget": 1_500_000_000}, ValueError, r'budget=1500000000: a bare number .* '
+                                                r'"1500000000B" for 1500000000 bytes'),
         ({"time_limit": 0}, ValueError, r"time_limit=0: expected a finite number of seconds > 0"),
+        ({"time_limit": float("nan")}, ValueError,
+         r"time_limit=nan: expected a finite number of seconds > 0; pass e.g. time_limit=60"),
+        ({"time_limit": float("inf")}, ValueError, r"time_limit=inf: expected a finite number"),
+        ({"time_limit": -1}, ValueError, r"time_limit=-1: expected a finite number"),
+        ({"time_limit": True}, TypeError, r"time_limit=True: expected a number of seconds > 0, "
+                                          r"got a bool"),
         ({"time_limit": "60"}, TypeError, r"time_limit='60': expected a number of seconds"),
         ({"module": ""}, ValueError, r"'' is not an attribute path"),
         ({"module": 3}, TypeError, r"module=3: expected None \(automatic\)"),
@@ -260,12 +270,56 @@ def test_a_solve_cut_by_its_time_limit_says_so(tmp_path, caplog):
         ({"strict": "yes"}, TypeError, r"strict='yes': expected True or False"),
         ({"cache_dir": 5}, TypeError, r"cache_dir=5: expected a directory path or None"),
     ],
-    ids=["150%", "-1GB", "abc", "solver-typo", "time-limit-0", "time-limit-str", "module-empty",
+    ids=["150%", "-1GB", "abc", "bare-50", "bare-bytes", "solver-typo", "time-limit-0",
+         "time-limit-nan", "time-limit-inf", "time-limit-negative", "time-limit-bool",
+         "time-limit-str", "module-empty",
          "module-int", "module-nested", "strict-str", "cache-dir-int"],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         HiRemateCallback(**kwargs)
+
+
+class _ChecksWidth(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(IN, IN)
+
+    def forward(self, x):
+        if x.shape[-1] != IN:
+            raise ValueError(f"expected {IN} features, got {x.shape[-1]}")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+@pytest.mark.parametrize(
+    "module, batch, error, text",
+    [
+        (lambda: nn.Linear(IN, IN, device="meta"), torch.randn(8, IN), ValueError,
+         "rematerialize: the module's parameter 'weight' is on the meta device (a shape without "
+         "data); remat runs and measures the training step, so the model and the batch must "
+         "hold real tensors on the CPU or a CUDA GPU. Materialize the model first, e.g. "
+         "model.to_empty(device='cpu')"),
+        (_ChecksWidth, torch.randn(8, IN + 1), ValueError, f"expected {IN} features, got {IN + 1}"),
+    ],
+    ids=["meta-device", "users-own-ValueError"],
+)
+def test_the_callbacks_solve_passes_user_errors_through(module, batch, error, text, strict):
+    """``solve_targets`` (what HiRemateCallback and HiRemateAccelerator run in fit/prepare) calls
+    ``rematerialize``: a meta model, or the model's own ValueError, reaches the user as such,
+    with or without ``strict``, not as a RematError or a "trains unmodified" warning."""
+    from integrations._remat_shared import Target, check_settings, solve_targets
+
+    settings = check_settings(budget="90%", solver="dp", time_limit=TIME_LIMIT, module=None,
+                              cache_dir=None, strict=strict, verbose=False)
+    target = Target("net", None, "net", module(), explicit=True)
+    with pytest.raises(error) as info:
+        solve_targets([target], {"net": ((batch,), {})}, settings, remat.PlanCache(),
+                      owner="HiRemateCallback")
+    assert str(info.value).startswith(text) and not isinstance(info.value, remat.RematError)
+    if isinstance(target.module, _ChecksWidth):
+        assert "hiremate: raised by _ChecksWidth's own training step" in \
+            "\n".join(info.value.__notes__)
 
 
 def test_unknown_module_fails_before_any_training_step(tmp_path):

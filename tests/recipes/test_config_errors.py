@@ -135,6 +135,14 @@ def test_bad_override_message(override, message):
         pytest.param("-1GB", "'-1GB'", "a byte budget must be at least 1 byte; pass ", id="-1GB"),
         pytest.param("abc", "'abc'", "cannot read this as a percentage, a fraction or a byte count", id="abc"),
         pytest.param("1.5", "1.5", "a fraction budget must be in (0, 1]", id="fraction-1.5"),
+        # NOTE [ A bare number is a fraction ]: omegaconf hands over the int 50 for
+        # remat.budget=50, which used to pass --check as a 50-byte budget.
+        pytest.param("50", "50", 'a bare number is a budget only as a fraction in (0, 1]; for 50 '
+                     'write its unit: "50%" (50% of the measured step) or a byte count such as '
+                     '"50MiB" ("50B" is 50 bytes)', id="bare-50"),
+        pytest.param("1500000000", "1500000000", 'a bare number is a budget only as a fraction in '
+                     '(0, 1]; for 1500000000 write its unit: "1500000000B" for 1500000000 bytes '
+                     '(1.40 GiB)', id="bare-bytes"),
     ],
 )
 def test_bad_budget_fails_at_load_time(budget, shown, reason):
@@ -150,12 +158,45 @@ def test_bad_budget_fails_at_load_time(budget, shown, reason):
         pytest.param("remat.budget=0.7", 0.7, id="float"),
         pytest.param("remat.budget=70%", "70%", id="percent-string"),
         pytest.param("remat.budget=6GiB", "6GiB", id="bytes-string"),
-        pytest.param("remat.budget=1500000000", 1_500_000_000, id="int-bytes"),
+        pytest.param("remat.budget=1500000000B", "1500000000B", id="bytes-with-unit"),
+        pytest.param("remat.budget=1", 1, id="int-one-is-100%"),
     ],
 )
 def test_budget_keeps_its_yaml_type(override, value):
     budget = load_recipe(GPT, [override]).remat.budget
     assert budget == value and type(budget) is type(value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        pytest.param("remat.time_limit=nan", "remat.time_limit=nan (from override "
+                     "'remat.time_limit=nan'): expected a finite number of seconds > 0; pass e.g. "
+                     "remat.time_limit=60", id="nan"),
+        pytest.param("remat.time_limit=inf", "remat.time_limit=inf (from override "
+                     "'remat.time_limit=inf'): expected a finite number of seconds > 0", id="inf"),
+        pytest.param("remat.time_limit=0", "remat.time_limit=0.0 (from override "
+                     "'remat.time_limit=0'): expected a finite number of seconds > 0", id="zero"),
+        pytest.param("remat.time_limit=-1", "remat.time_limit=-1.0 (from override "
+                     "'remat.time_limit=-1'): expected a finite number of seconds > 0", id="negative"),
+    ],
+)
+def test_bad_time_limit_fails_at_load_time(override, message):
+    # remat.check_time_limit (NOTE [ One check per setting ]): the same rule as the API's.
+    with pytest.raises(RecipeError) as info:
+        load_recipe(GPT, [override])
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_cli_check_refuses_a_bare_budget(capsys):
+    """The user's report: ``recipes.run recipes/gpt_remat.yaml remat.budget=50 --check`` passed."""
+    status = main([str(RECIPES_DIR / "gpt_remat.yaml"), "remat.budget=50", "--check"])
+    captured = capsys.readouterr()
+    assert status == EXIT_BAD_RECIPE
+    assert captured.err.startswith(
+        "error: remat.budget=50 (from override 'remat.budget=50'): a bare number is a budget only "
+        'as a fraction in (0, 1]; for 50 write its unit: "50%"'), captured.err
+    assert "resolved recipe" not in captured.out
 
 
 def _write(tmp_path, text):

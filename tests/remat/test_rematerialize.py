@@ -83,13 +83,13 @@ def test_exact_at_full_half_and_lowest_budget(name):
     graph = remat.rematerialize(model, *args, budget="1TiB", solver="none").graphs[0]
     base = simulate(graph, save_all_schedule(graph)).peak_bytes
     torch._dynamo.reset()
-    plan_full = check_exact_and_within_budget(name, base)
+    plan_full = check_exact_and_within_budget(name, f"{base}B")
     assert plan_full.predicted_overhead == 0.0
     lowest = lowest_feasible_fraction(graph)
     assert lowest < 0.9  # remat can save memory on every one of these models
     for fraction in sorted({max(0.5, lowest), lowest}):
         torch._dynamo.reset()
-        plan = check_exact_and_within_budget(name, int(fraction * base))
+        plan = check_exact_and_within_budget(name, f"{int(fraction * base)}B")
         assert plan.predicted_peak_bytes < plan_full.predicted_peak_bytes
 
 
@@ -284,7 +284,7 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
                                 solver="none").graphs[0]
     base = simulate(graph, save_all_schedule(graph)).peak_bytes
     torch._dynamo.reset()
-    rm = remat.rematerialize(model, x, budget=int(0.92 * base), time_limit=TIME_LIMIT)
+    rm = remat.rematerialize(model, x, budget=f"{int(0.92 * base)}B", time_limit=TIME_LIMIT)
     assert rm.plan.num_recomputed > 0
     step(ref, (x,))
     step(rm, (x,))
@@ -315,7 +315,7 @@ def test_later_shapes_keep_the_byte_budget_and_never_fail():
     model, _ = make("mlp")
     batch = torch.randn(512, 32)
     probe = remat.rematerialize(make("mlp")[0], batch, budget="75%", time_limit=TIME_LIMIT)
-    budget = probe.plan.budget_bytes
+    budget = f"{probe.plan.budget_bytes}B"
     rm = remat.rematerialize(model, batch, budget=budget, time_limit=TIME_LIMIT)
     step(rm, (batch[:64],))  # a short last batch fits the same bytes
     family = next(iter(rm.shapes.families))
@@ -433,7 +433,7 @@ def test_a_crawling_rescue_is_named_with_the_faster_budget():
     assert lowest.peak_bytes < blocks.peak_bytes and lowest.time > 2 * graph.baseline_time
     budget = (lowest.peak_bytes + blocks.peak_bytes) // 2  # only the least-memory one fits
     with pytest.warns(UserWarning, match=r"only the least-memory schedule fits") as caught:
-        rm = remat.rematerialize(model, *args, budget=budget, solver="none")
+        rm = remat.rematerialize(model, *args, budget=f"{budget}B", solver="none")
     assert rm.plan.detail.endswith("least-memory fallback: the solver found none")
     text = str(caught[0].message)  # (op times are measured again by the second call)
     assert f"{1 + rm.plan.predicted_overhead:.1f}x the unmodified step's time" in text
@@ -468,7 +468,7 @@ def _handed_to_backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError("no compiled step in the autograd graph")
 
 
-@pytest.mark.parametrize("budget", [1 << 62, 0.5])
+@pytest.mark.parametrize("budget", [f"{1 << 62}B", 0.5])
 def test_backward_is_handed_storages_not_views(budget):
     """NOTE [ Save storages, not views ]: each storage reaches backward once, as one tensor
     (the input ``x`` itself, not its six slices), and the gradients are eager's."""
