@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_unflatten
 import remat
 from remat import Plan, PlanCache, RematModule
 
+from integrations._lightning_warnings import quiet_leafspec
 from integrations._remat_shared import (
     Collectives,
     StepMeter,
@@ -341,8 +342,9 @@ class HiRemateCallback(Callback):
         if source is None or not source.is_defined():
             raise CannotDrawBatch("the Trainer has no training dataloader to read a batch from")
         loaders = source.dataloader()
-        combined = loaders if isinstance(loaders, CombinedLoader) else \
-            CombinedLoader(loaders, "max_size_cycle")
+        with quiet_leafspec():  # NOTE [ Lightning's LeafSpec warning ]
+            combined = loaders if isinstance(loaders, CombinedLoader) else \
+                CombinedLoader(loaders, "max_size_cycle")
         batches = [first_batch(loader) for loader in combined.flattened]
         return tree_unflatten(batches, combined._spec)
 

@@ -15,6 +15,7 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger
 
+from integrations._lightning_warnings import quiet_leafspec
 from recipes.errors import RecipeError
 from recipes.registry import all_plugins, get_task
 from recipes.schema import TrainerConfig
@@ -200,14 +201,16 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
     phases.fit_called()
     fit_t0 = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=datamodule)
+        with quiet_leafspec():  # NOTE [ Lightning's LeafSpec warning ]
+            trainer.fit(module, datamodule=datamodule)
     except Exception as e:
         error = _setup_error(e, run.plugins) if phases.setup_time_s is None else None
         if error is None:
             raise
         raise error from e
     fit_time_s = time.perf_counter() - fit_t0
-    results = trainer.validate(module, datamodule=datamodule, verbose=False)
+    with quiet_leafspec():
+        results = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for r in results for k, v in r.items()}
     describe = getattr(datamodule, "describe", None)
     summary = Summary(
