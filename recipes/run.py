@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# resolved recipe: {args.recipe}" + (f" {shown}" if shown else ""))
             print(recipe_to_yaml(recipe), flush=True)
         try:
+            from recipes.stats import ProgressBar
             from recipes.train import check_run, run_recipe
         except ModuleNotFoundError as e:
             raise RecipeError(f"training needs {e.name!r}, which is not installed; install it "
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         # A 2-core CPU run gains nothing from loader workers; keep the output readable.
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        run_recipe(recipe)
+        run_recipe(recipe, progress_bar=_is_rank_zero() and ProgressBar.terminal())
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE

@@ -344,6 +344,18 @@ def test_summary_splits_fit_into_setup_and_training(recipe_path, monkeypatch):
     assert f"; plugin hooks: slow {summary.plugin_training_s['slow']:.2f} s\n" in text
 
 
+def test_progress_bar_counts_the_run_steps_and_prints_the_lines_above_it(recipe_path, capsys):
+    """NOTE [ A progress bar on a terminal, lines in a log ]: the bar (on stderr) counts
+    ``max_steps``; the progress lines still reach the printer."""
+    lines: list[str] = []
+    recipe = load_recipe(recipe_path("cnn_plain.yaml"),
+                         ["trainer.max_steps=3", "trainer.print_every_n_steps=1"])
+    run_recipe(recipe, printer=lines.append, progress_bar=True)
+    err = capsys.readouterr().err
+    assert "training: 100%" in err and "| 3/3 [" in err and ", train_loss=" in err, err[-2000:]
+    assert [line.split("  ")[0] for line in lines[:3]] == ["step 1/3", "step 2/3", "step 3/3"]
+
+
 def test_format_of_the_time_lines():
     summary = Summary(
         steps=200, step_times_s=[0.04] * 200, timed_steps=list(range(1, 199)), train_losses=[1.0],
