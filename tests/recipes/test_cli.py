@@ -136,6 +136,72 @@ def test_check_of_a_good_recipe_builds_the_trainer(capsys, monkeypatch):
     assert names[0] == "FitPhases" and "HiRemateCallback" in names
 
 
+# ---- flags anywhere, one config line -----------------------------------------------------------
+
+
+MISSPELT = ("error: unknown key 'remat.solvr' (from override 'remat.solvr=dp'); did you mean "
+            "'remat.solver'? Keys allowed under 'remat': enabled, budget, module, solver, "
+            "time_limit, cache_dir, strict, verbose\n")
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["--check", str(GPT_REMAT), "remat.solvr=dp"], id="check-first"),
+    pytest.param([str(GPT_REMAT), "--check", "remat.solvr=dp"], id="check-before-overrides"),
+    pytest.param([str(GPT_REMAT), "remat.solvr=dp", "--check"], id="check-last"),
+])
+def test_flags_go_anywhere_and_a_misspelt_key_is_reported(capsys, argv):
+    status, out, err = _run(capsys, *argv)
+    assert (status, out, err) == (EXIT_BAD_RECIPE, "", MISSPELT)
+
+
+def test_check_before_the_overrides_applies_them(capsys):
+    status, out, err = _run(capsys, str(GPT_REMAT), "--check", "remat.solver=dp",
+                            "trainer.max_steps=7")
+    assert status == 0, err
+    assert out.startswith(f"# resolved recipe: {GPT_REMAT} remat.solver=dp trainer.max_steps=7\n")
+    assert "  solver: dp\n" in out and "  max_steps: 7\n" in out
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """``recipes.run`` up to the training, which is recorded instead of run."""
+    calls = []
+    monkeypatch.setattr(recipes.train, "run_recipe",
+                        lambda recipe, **kwargs: calls.append((recipe, kwargs)))
+    return calls
+
+
+@pytest.mark.parametrize("overrides, line", [
+    pytest.param([], "config: {path}; full config: --print-config", id="no-override"),
+    pytest.param(["trainer.max_steps=30"], "config: {path} + 1 override (trainer.max_steps=30); "
+                 "full config: --print-config", id="one-override"),
+    pytest.param(["trainer.max_steps=30", "remat.budget=70%"],
+                 "config: {path} + 2 overrides (trainer.max_steps=30, remat.budget=70%); full "
+                 "config: --print-config", id="two-overrides"),
+])
+def test_a_run_prints_one_config_line(capsys, no_training, overrides, line):
+    status, out, _ = _run(capsys, str(GPT_REMAT), *overrides)
+    assert status == 0 and out == line.format(path=GPT_REMAT) + "\n"
+    ((recipe, kwargs),) = no_training
+    assert recipe.trainer.max_steps == (30 if overrides else 300)
+    assert kwargs == {"progress_bar": False}  # pytest's stderr is no terminal: no bar
+
+
+def test_print_config_prints_the_resolved_yaml_before_the_run(capsys, no_training):
+    status, out, _ = _run(capsys, "--print-config", str(GPT_REMAT), "trainer.max_steps=30")
+    assert status == 0 and len(no_training) == 1
+    assert out.startswith(f"# resolved recipe: {GPT_REMAT} trainer.max_steps=30\ntask: gpt_lm\n")
+    assert "\n  max_steps: 30\n" in out and "full config: --print-config" not in out
+
+
+def test_a_terminal_gets_a_progress_bar(capsys, no_training, monkeypatch):
+    from recipes.stats import ProgressBar
+
+    monkeypatch.setattr(ProgressBar, "terminal", staticmethod(lambda: True))
+    assert _run(capsys, str(GPT_REMAT))[0] == 0
+    assert no_training[0][1] == {"progress_bar": True}
+
+
 # ---- checks that used to wait for build time ---------------------------------------------------
 
 
