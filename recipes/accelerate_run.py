@@ -244,6 +244,7 @@ def run_recipe_accelerate(recipe: Any, *, printer: Callable[[str], None] = print
         step_peak_error=peak_error, fit_peak_bytes=fit_peak, device=str(device),
         fit_time_s=fit_time,
         num_params=sum(p.numel() for p in module.parameters() if p.requires_grad), extra=extra,
+        legend=dict(task.metrics),
     )
     if main:
         printer(format_summary(summary))

@@ -87,6 +87,8 @@ class Summary:
             hooks (inside :attr:`training_time_s`), e.g. CP compressing at a given step.
         plugin_wrapup_s: Plugin section -> seconds its callback spent in ``on_fit_end`` and
             ``teardown`` (after training).
+        legend: Metric -> what it means (the task's ``metrics``); the summary's ``legend:`` line
+            defines those it printed.
     """
 
     steps: int
@@ -107,6 +109,7 @@ class Summary:
     plugin_setup_s: dict[str, float] = field(default_factory=dict)
     plugin_training_s: dict[str, float] = field(default_factory=dict)
     plugin_wrapup_s: dict[str, float] = field(default_factory=dict)
+    legend: dict[str, str] = field(default_factory=dict)
 
     @property
     def mean_step_time_s(self) -> float:
@@ -450,6 +453,9 @@ def format_summary(s: Summary) -> str:
         f"(mean of last {min(FINAL_LOSS_WINDOW, len(s.train_losses))} steps)",
     ]
     lines += [f"{k}: {v:.4f}" for k, v in sorted(s.val_metrics.items())]
+    shown = [k for k in ("train_loss", *sorted(s.val_metrics)) if k in s.legend]
+    if shown:  # every metric name printed above, defined
+        lines.append("legend: " + "; ".join(f"{k} = {s.legend[k]}" for k in shown))
     if s.step_peak_error:
         lines.append(f"peak memory (step {s.step_peak_step}): n/a ({s.step_peak_error})")
     elif s.step_peak_bytes is not None:

@@ -245,6 +245,7 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print,
         plugin_setup_s=dict(phases.plugin_setup_s),
         plugin_training_s=dict(phases.plugin_training_s),
         plugin_wrapup_s=dict(phases.plugin_wrapup_s),
+        legend=dict(task.metrics),
     )
     if trainer.is_global_zero:
         printer(format_summary(summary))

@@ -422,6 +422,22 @@ def test_progress_bar_counts_the_run_steps_and_prints_the_lines_above_it(recipe_
     assert [line.split("  ")[0] for line in lines[:3]] == ["step 1/3", "step 2/3", "step 3/3"]
 
 
+def test_the_summary_defines_every_metric_it_prints():
+    from recipes.registry import get_task
+
+    summary = Summary(
+        steps=2, step_times_s=[0.1, 0.1], timed_steps=[1], train_losses=[5.5, 5.0],
+        val_metrics={"val_bpb": 4.2122, "val_loss": 2.9197, "val_ppl": 18.5353},
+        step_peak_bytes=None, step_peak_step=None, step_peak_error="", fit_peak_bytes=None,
+        device="cpu", fit_time_s=1.0, num_params=10, legend=dict(get_task("gpt_lm").metrics),
+    )
+    lines = format_summary(summary).splitlines()
+    assert lines[lines.index("val_ppl: 18.5353") + 1] == (
+        "legend: train_loss = training cross-entropy per byte, in nats; val_bpb = validation bits "
+        "per byte, val_loss / ln 2; val_loss = validation cross-entropy per byte, in nats (a "
+        "uniform guess: ln 256 = 5.55); val_ppl = validation perplexity, exp(val_loss)")
+
+
 def test_format_of_the_time_lines():
     summary = Summary(
         steps=200, step_times_s=[0.04] * 200, timed_steps=list(range(1, 199)), train_losses=[1.0],

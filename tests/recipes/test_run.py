@@ -54,6 +54,9 @@ def test_cli_runs_plain_cnn_recipe_end_to_end(tmp_path):
                         r"validation during fit included\)", s["training"]), s["training"]
     assert abs(float(s["train_loss first"]) - LN10) < 0.3  # untrained 10-class guess
     assert 0.0 <= float(s["val_acc"]) <= 1.0 and math.isfinite(float(s["val_loss"]))
+    assert s["legend"].startswith("train_loss = training cross-entropy per image, in nats; "
+                                  "val_acc = validation accuracy, the fraction of images "
+                                  "classified right; val_loss = ")
     # the step allocates at least the new gradients (4 bytes a parameter), and far less than 64 MiB
     peak = s["peak memory (step 5)"]
     assert peak.endswith(" MiB allocated inside the step on cpu (remat.track_memory)")
