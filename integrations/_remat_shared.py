@@ -34,20 +34,32 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 import remat
-from remat import Budget, CaptureError, Plan, PlanCache, RematError, RematModule, format_bytes
+from remat import (
+    Budget,
+    CaptureError,
+    Plan,
+    PlanCache,
+    RematError,
+    RematModule,
+    format_bytes,
+    track_memory,
+)
 
 __all__ = [
     "Collectives",
     "RematSettings",
+    "StepMeter",
     "Target",
     "TargetResult",
     "check_settings",
     "default_targets",
     "resolve_names",
     "solve_targets",
+    "first_step_line",
     "format_table",
 ]
 
@@ -431,9 +443,60 @@ def solve_targets(
 # ---- report --------------------------------------------------------------------------------------
 
 
+class StepMeter:
+    """The measured peak of one step (``remat.track_memory`` between :meth:`start` and
+    :meth:`stop`): the eager warmup step and the first training step that the callback and the
+    Accelerate integration report (on CPU the profiler runs during those steps only).
+
+    Attributes:
+        peak_bytes: The peak of the last measured step (``None`` before one was measured).
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes: int | None = None
+        self._open: tuple[Any, Any] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._open is not None
+
+    def start(self, device: torch.device) -> bool:
+        """Start measuring on ``device``; ``False`` when it cannot measure now (another device
+        type, or another ``torch.profiler`` session running on CPU)."""
+        if self._open is not None or device.type not in ("cpu", "cuda"):
+            return False
+        memory = track_memory(device)
+        try:
+            self._open = (memory, memory.__enter__())
+        except RuntimeError:  # a torch.profiler session is already running (CPU)
+            return False
+        return True
+
+    def stop(self) -> int | None:
+        """Stop measuring: the step's peak bytes (``None`` when nothing was being measured)."""
+        if self._open is None:
+            return None
+        (memory, tracker), self._open = self._open, None
+        memory.__exit__(None, None, None)
+        self.peak_bytes = tracker.peak_bytes
+        return self.peak_bytes
+
+
+def first_step_line(step_peak_bytes: int, eager_peak_bytes: int | None, *, owner: str) -> str:
+    """``"<owner>: measured peak of the first training step: 62.41 MiB (48% of the unmodified
+    warmup step's 129.20 MiB)"``: the rematerialized step against the unmodified one."""
+    line = f"{owner}: measured peak of the first training step: {format_bytes(step_peak_bytes)}"
+    if eager_peak_bytes:
+        line += (f" ({100 * step_peak_bytes / eager_peak_bytes:.0f}% of the unmodified warmup "
+                 f"step's {format_bytes(eager_peak_bytes)})")
+    return line
+
+
 def format_table(results: Mapping[str, TargetResult], settings: RematSettings, *, owner: str,
-                 eager_peak_bytes: int | None = None) -> str:
-    """One table: a row per target with the plan's numbers (rank 0 logs it)."""
+                 eager_peak_bytes: int | None = None,
+                 eager_detail: str = "forward + backward") -> str:
+    """One table: a row per target with the plan's numbers (rank 0 logs it), then the measured
+    peak of the unmodified warmup step, when known (``eager_detail`` says what it ran)."""
     header = ("target", "baseline", "budget", "predicted peak", "overhead", "solver status",
               "solve", "capture", "cache")
     rows = []
@@ -457,5 +520,5 @@ def format_table(results: Mapping[str, TargetResult], settings: RematSettings, *
               for row in (header, *rows)]
     if eager_peak_bytes is not None:
         lines.append(f"  measured peak of the unmodified warmup step: "
-                     f"{format_bytes(eager_peak_bytes)} (forward + backward)")
+                     f"{format_bytes(eager_peak_bytes)} ({eager_detail})")
     return "\n".join(lines)

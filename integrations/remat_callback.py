@@ -66,15 +66,18 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from torch.utils._pytree import tree_unflatten
 
 import remat
-from remat import Plan, RematModule, format_bytes, track_memory
+from remat import Plan, RematModule
 from remat.cache import plan_cache_for
 
+from integrations._lightning_warnings import quiet_leafspec
 from integrations._remat_shared import (
     Collectives,
+    StepMeter,
     Target,
     TargetResult,
     check_settings,
     default_targets,
+    first_step_line,
     format_table,
     resolve_names,
     solve_targets,
@@ -242,7 +245,7 @@ class HiRemateCallback(Callback):
         self.step_peak_bytes: Optional[int] = None
         self._swapped: list[tuple[Target, RematModule]] = []
         self._measure_next_step = False
-        self._memory: Optional[tuple[Any, Any]] = None
+        self._first_step = StepMeter()
 
     @property
     def plans(self) -> dict[str, Plan]:
@@ -344,8 +347,9 @@ class HiRemateCallback(Callback):
         if source is None or not source.is_defined():
             raise CannotDrawBatch("the Trainer has no training dataloader to read a batch from")
         loaders = source.dataloader()
-        combined = loaders if isinstance(loaders, CombinedLoader) else \
-            CombinedLoader(loaders, "max_size_cycle")
+        with quiet_leafspec():  # NOTE [ Lightning's LeafSpec warning ]
+            combined = loaders if isinstance(loaders, CombinedLoader) else \
+                CombinedLoader(loaders, "max_size_cycle")
         batches = [first_batch(loader) for loader in combined.flattened]
         return tree_unflatten(batches, combined._spec)
 
@@ -359,8 +363,10 @@ class HiRemateCallback(Callback):
         # The whole step's peak is what a percentage budget is of (NOTE [ Charging the rest of
         # the step ]); manual optimization stops at its first manual_backward, so not there.
         measure = pl_module.automatic_optimization
+        warmup = StepMeter()
         with record_first_calls(targets) as calls, trainer.precision_plugin.train_step_context():
-            tracking = self._start_tracking(trainer) if measure else None
+            if measure:
+                warmup.start(trainer.strategy.root_device)
             try:
                 with self._watched(trainer, pl_module):
                     output = pl_module.training_step(*args)
@@ -371,10 +377,8 @@ class HiRemateCallback(Callback):
             except _StopWarmup:
                 pass
             finally:
-                if tracking is not None:
-                    tracking[0].__exit__(None, None, None)
-        if tracking is not None:
-            self.eager_peak_bytes = tracking[1].peak_bytes
+                warmup.stop()
+        self.eager_peak_bytes = warmup.peak_bytes
         return dict(calls)
 
     def _swap(self, pl_module: "pl.LightningModule", targets: list[Target]) -> None:
@@ -426,37 +430,17 @@ class HiRemateCallback(Callback):
 
     # ---- training: keep modes in sync, measure the first step ------------------------------------
 
-    @staticmethod
-    def _start_tracking(trainer: "pl.Trainer") -> Optional[tuple[Any, Any]]:
-        """Enter ``track_memory`` on the root device: ``(context, tracker)``, or ``None`` when it
-        cannot measure now (another profiler session on CPU, or another device type)."""
-        device = trainer.strategy.root_device
-        if device.type not in ("cpu", "cuda"):
-            return None
-        memory = track_memory(device)
-        try:
-            return memory, memory.__enter__()
-        except RuntimeError:  # a torch.profiler session is already running (CPU)
-            return None
-
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
         if self._measure_next_step:
             self._measure_next_step = False
-            self._memory = self._start_tracking(trainer)
+            self._first_step.start(trainer.strategy.root_device)
 
     def _stop_measuring(self) -> None:
-        if self._memory is None:
+        if not self._first_step.running:
             return
-        (memory, tracker), self._memory = self._memory, None
-        memory.__exit__(None, None, None)
-        self.step_peak_bytes = tracker.peak_bytes
-        line = (f"{_OWNER}: measured peak of the first training step: "
-                f"{format_bytes(self.step_peak_bytes)}")
-        if self.eager_peak_bytes:
-            line += (f" ({100 * self.step_peak_bytes / self.eager_peak_bytes:.0f}% of the "
-                     f"unmodified warmup step's {format_bytes(self.eager_peak_bytes)})")
-        self._info(line)
+        self.step_peak_bytes = self._first_step.stop()
+        self._info(first_step_line(self.step_peak_bytes, self.eager_peak_bytes, owner=_OWNER))
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from recipes.config import load_recipe, recipe_to_yaml
+from recipes.config import load_recipe, recipe_line, recipe_to_yaml
 from recipes.errors import RecipeError
 from recipes.optim import build_optimizer
 from recipes.registry import get_task
@@ -244,6 +244,7 @@ def run_recipe_accelerate(recipe: Any, *, printer: Callable[[str], None] = print
         step_peak_error=peak_error, fit_peak_bytes=fit_peak, device=str(device),
         fit_time_s=fit_time,
         num_params=sum(p.numel() for p in module.parameters() if p.requires_grad), extra=extra,
+        legend=dict(task.metrics),
     )
     if main:
         printer(format_summary(summary))
@@ -262,14 +263,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--check", action="store_true",
                         help="validate and print the resolved recipe, then exit")
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the whole resolved recipe as YAML before training")
+    args = parser.parse_intermixed_args(argv)  # flags anywhere, as in recipes.run
     main_process = int(os.environ.get("RANK", "0")) == 0
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-        if main_process:
+        if main_process and (args.check or args.print_config):
             shown = " ".join(args.overrides)
             print(f"# resolved recipe: {args.recipe}" + (f" {shown}" if shown else ""))
             print(recipe_to_yaml(recipe), flush=True)
+        elif main_process:
+            print(recipe_line(args.recipe, args.overrides), flush=True)
         if args.check:
             return 0
         if main_process:  # HiRemateAccelerator's progress lines and table go through logging

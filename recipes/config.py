@@ -47,7 +47,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - exercised only without th
         f'recipes need omegaconf ({e}); install it with: pip install "hiremate[recipes]"'
     ) from e
 
-__all__ = ["load_recipe", "recipe_to_yaml", "parse_override", "Override"]
+__all__ = ["load_recipe", "recipe_to_yaml", "recipe_line", "parse_override", "Override"]
 
 # Sections whose keys come from the selected task's dataclasses.
 _TASK_SECTIONS = ("model", "data")
@@ -294,6 +294,18 @@ def _nest(dotted: str, value: Any) -> dict:
 
 
 def recipe_to_yaml(recipe: Any) -> str:
-    """The resolved recipe as YAML, sections in schema order (what ``recipes.run`` prints)."""
+    """The resolved recipe as YAML, sections in schema order (what ``recipes.run --print-config``
+    and ``--check`` print)."""
     return OmegaConf.to_yaml(OmegaConf.structured(recipe))
+
+
+def recipe_line(path: str | Path, overrides: Sequence[str]) -> str:
+    """The one line a run prints for its config, instead of the whole resolved YAML::
+
+        config: recipes/gpt_remat.yaml + 1 override (trainer.max_steps=30); full config: --print-config
+    """
+    count = len(overrides)
+    shown = (f" + {count} override{'s' if count > 1 else ''} ({', '.join(overrides)})"
+             if count else "")
+    return f"config: {path}{shown}; full config: --print-config"
 

@@ -19,8 +19,8 @@ import dataclasses
 import difflib
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
 
 from recipes.errors import RecipeError
 
@@ -61,6 +61,8 @@ class Task:
             It raises :class:`~recipes.errors.InvalidValue` with the key from the recipe's top
             (``"data.min_length"``); the loader runs it, so ``--check`` and a run reject the same
             recipes before anything is built.
+        metrics: What each metric the task logs means (``{"val_bpb": "validation bits per byte,
+            val_loss / ln 2"}``): the summary prints a ``legend:`` line with those it printed.
         name: Filled in by the registry from the module name; leave it empty.
     """
 
@@ -69,6 +71,7 @@ class Task:
     build: Callable[[Any, Any, Any], tuple[Any, Any]]
     description: str
     check: Optional[Callable[[Any, Any], None]] = None
+    metrics: Mapping[str, str] = field(default_factory=dict)
     name: str = ""
 
 

@@ -1,12 +1,15 @@
-"""Command line: ``python -m recipes.run recipes/<name>.yaml [key=value ...] [--check] [--list]``.
+"""Command line: ``python -m recipes.run recipes/<name>.yaml [key=value ...] [--check]
+[--print-config] [--list]``, the flags anywhere among the arguments.
 
 Loads and validates the recipe (see :func:`recipes.config.load_recipe`) without importing
-Lightning, prints the resolved config as YAML, builds the plugin callbacks and the Trainer
+Lightning, prints one line naming the recipe file and the overrides (the whole resolved config
+as YAML with ``--print-config``), builds the plugin callbacks and the Trainer
 (:func:`recipes.train.prepare_run`), then builds the model and data and trains (see
-:func:`recipes.train.run_recipe`), printing progress lines and a final summary. ``--check`` stops
-after the callbacks and the Trainer are built: it makes every check a run makes before training.
-A bad recipe prints ``error: <message>`` on stderr and exits with status 2; when the recipe itself
-is wrong that happens before Lightning is imported.
+:func:`recipes.train.run_recipe`), printing progress lines, a progress bar where stderr is a
+terminal, and a final summary. ``--check`` prints the resolved YAML and stops after the
+callbacks and the Trainer are built: it makes every check a run makes before training. A bad
+recipe prints ``error: <message>`` on stderr and exits with status 2; when the recipe itself is
+wrong that happens before Lightning is imported.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from recipes.config import RECIPES_DIR, load_recipe, recipe_to_yaml
+from recipes.config import RECIPES_DIR, load_recipe, recipe_line, recipe_to_yaml
 from recipes.errors import RecipeError
 from recipes.registry import available_plugins, available_tasks, get_plugin, get_task
 
@@ -37,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         "--check", action="store_true",
         help="validate and print the resolved recipe, build the callbacks and the Trainer (every "
         "check a run makes before training), then exit",
+    )
+    parser.add_argument(
+        "--print-config", action="store_true",
+        help="print the whole resolved recipe as YAML before training (a run prints one line "
+        "naming the file and the overrides)",
     )
     parser.add_argument(
         "--list", action="store_true",
@@ -87,7 +95,8 @@ def _is_rank_zero() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 bad recipe)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    # Flags anywhere: `recipe.yaml --check key=value` keeps its overrides.
+    args = parser.parse_intermixed_args(argv)
     if args.list:
         print(_list())
         return 0
@@ -95,11 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the recipe YAML file is required (see --list for the recipes)")
     try:
         recipe = load_recipe(args.recipe, args.overrides)  # no Lightning imported yet
-        if _is_rank_zero():
+        if _is_rank_zero() and (args.check or args.print_config):
             shown = " ".join(args.overrides)
             print(f"# resolved recipe: {args.recipe}" + (f" {shown}" if shown else ""))
             print(recipe_to_yaml(recipe), flush=True)
+        elif _is_rank_zero():
+            print(recipe_line(args.recipe, args.overrides), flush=True)
         try:
+            from recipes.stats import ProgressBar
             from recipes.train import check_run, run_recipe
         except ModuleNotFoundError as e:
             raise RecipeError(f"training needs {e.name!r}, which is not installed; install it "
@@ -110,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         # A 2-core CPU run gains nothing from loader workers; keep the output readable.
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        run_recipe(recipe)
+        run_recipe(recipe, progress_bar=_is_rank_zero() and ProgressBar.terminal())
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE

@@ -62,7 +62,9 @@ class TrainerConfig:
         default_root_dir: Where Lightning may write (logs, checkpoints); git-ignored ``outputs/``.
         logger: Write CSV logs under ``default_root_dir`` (off by default).
         enable_checkpointing: Save checkpoints under ``default_root_dir`` (off by default).
-        enable_progress_bar: Lightning's progress bar (off: the runner prints progress lines).
+        enable_progress_bar: Lightning's own progress bar (per epoch, on stdout). Off: the runner
+            prints progress lines and, where stderr is a terminal, draws its own bar over
+            ``max_steps`` (NOTE [ A progress bar on a terminal, lines in a log ]).
         enable_model_summary: Lightning's table of submodules and parameter counts.
     """
 

@@ -22,18 +22,33 @@ NOTE [ Setup and training time ]
     in each phase (in training: CP compressing at step ``cp.when``, remat solving for a new batch
     size): Lightning calls a hook on the callbacks in list order, so a marker placed right after
     a plugin's callback (:meth:`FitPhases.after`) sees the time that callback took.
+
+NOTE [ A progress bar on a terminal, lines in a log ]
+    Lightning's own bar (``trainer.enable_progress_bar``) is off in the recipes: it draws on
+    stdout, among the progress lines and the summary that scripts read, with no check for a
+    terminal (in a pipe or a CI log each refresh is one more ``\r`` update), and with
+    ``max_epochs=-1`` its total is each epoch's batches, not the run's ``max_steps``. When stderr
+    is a terminal the runner draws its own bar there instead (:class:`ProgressBar`): the run's
+    steps out of ``trainer.max_steps``, with the latest ``train_loss``; the progress lines every
+    ``trainer.print_every_n_steps`` steps are printed above it, and so are Lightning's log lines
+    during training (``HiRemateCallback``'s first-step line). In a pipe, a file or a test nothing
+    is drawn: the progress lines are the whole report, as before.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import lightning as L
 import torch
+from typing_extensions import override
 
-__all__ = ["FitPhases", "RunStats", "Summary", "format_summary"]
+__all__ = ["FitPhases", "ProgressBar", "RunStats", "Summary", "format_summary"]
 
 # Steps averaged for the "final" training loss (the per-step loss is noisy).
 FINAL_LOSS_WINDOW = 10
@@ -72,6 +87,8 @@ class Summary:
             hooks (inside :attr:`training_time_s`), e.g. CP compressing at a given step.
         plugin_wrapup_s: Plugin section -> seconds its callback spent in ``on_fit_end`` and
             ``teardown`` (after training).
+        legend: Metric -> what it means (the task's ``metrics``); the summary's ``legend:`` line
+            defines those it printed.
     """
 
     steps: int
@@ -92,6 +109,7 @@ class Summary:
     plugin_setup_s: dict[str, float] = field(default_factory=dict)
     plugin_training_s: dict[str, float] = field(default_factory=dict)
     plugin_wrapup_s: dict[str, float] = field(default_factory=dict)
+    legend: dict[str, str] = field(default_factory=dict)
 
     @property
     def mean_step_time_s(self) -> float:
@@ -212,6 +230,63 @@ class _AfterPlugin(L.Callback):
     on_fit_end = _wrapup
 
 
+class ProgressBar:
+    """The run's steps out of ``total`` as a tqdm bar on stderr, only where stderr is a terminal;
+    see NOTE [ A progress bar on a terminal, lines in a log ].
+
+    Args:
+        total: The run's optimizer steps (``trainer.max_steps``).
+        enabled: Draw it (the caller checks for a terminal: :func:`terminal`); when ``False``
+            every method but :meth:`write`, which prints, does nothing.
+    """
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled
+        self._bar = None
+        self._logs: contextlib.ExitStack | None = None
+
+    @staticmethod
+    def terminal() -> bool:
+        """Whether stderr, where the bar is drawn, is a terminal."""
+        return sys.stderr.isatty()
+
+    def start(self, done: int = 0) -> None:
+        """Draw the bar, ``done`` steps already taken."""
+        if not self.enabled or self._bar is not None:
+            return
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(total=self.total, initial=done, desc="training", unit="step",
+                         dynamic_ncols=True, file=sys.stderr)
+        self._logs = contextlib.ExitStack()  # log lines above the bar, not through it
+        self._logs.enter_context(logging_redirect_tqdm(
+            loggers=[logging.root, logging.getLogger("lightning.pytorch")]))
+
+    def update(self, loss: float | None) -> None:
+        if self._bar is not None:
+            if loss is not None:
+                self._bar.set_postfix(train_loss=f"{loss:.4f}", refresh=False)
+            self._bar.update(1)
+
+    def write(self, line: str, printer: Callable[[str], None]) -> None:
+        """``printer(line)``, above the bar when one is drawn."""
+        if self._bar is None:
+            printer(line)
+            return
+        with self._bar.external_write_mode():
+            printer(line)
+
+    def close(self) -> None:
+        if self._logs is not None:
+            self._logs.close()
+            self._logs = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
 def _loss_of(outputs: Any) -> float | None:
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else None
@@ -224,13 +299,18 @@ class RunStats(L.Callback):
     Args:
         print_every_n_steps: Print a progress line every N steps (0: never).
         printer: Where lines go (``print`` by default); only rank 0 prints.
+        progress_bar: Draw a :class:`ProgressBar` over the run's steps on stderr during training
+            (rank 0; the caller checks that stderr is a terminal).
     """
 
     def __init__(
-        self, *, print_every_n_steps: int = 20, printer: Callable[[str], None] = print
+        self, *, print_every_n_steps: int = 20, printer: Callable[[str], None] = print,
+        progress_bar: bool = False,
     ) -> None:
         self.print_every_n_steps = print_every_n_steps
         self.printer = printer
+        self.progress_bar = progress_bar
+        self._bar: ProgressBar | None = None
         self.step_times_s: list[float] = []
         self.train_losses: list[float] = []
         self.fit_peak_bytes: int | None = None
@@ -246,10 +326,18 @@ class RunStats(L.Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # NOTE [ A progress bar on a terminal, lines in a log ]
+        self._bar = ProgressBar(trainer.max_steps,
+                                enabled=self.progress_bar and trainer.is_global_zero)
+        self._bar.start(done=trainer.global_step)  # a resumed run starts where it was
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._sync(trainer)
@@ -285,16 +373,28 @@ class RunStats(L.Callback):
         if loss is not None:
             self.train_losses.append(loss)
         step = trainer.global_step
+        bar = self._bar or ProgressBar(trainer.max_steps, enabled=False)
+        bar.update(loss)
         every = self.print_every_n_steps
         if every and trainer.is_global_zero and (step % every == 0 or step == trainer.max_steps):
             shown = "n/a" if loss is None else f"{loss:.4f}"
-            self.printer(
+            bar.write(
                 f"step {step}/{trainer.max_steps}  train_loss {shown}  "
-                f"step_time {1e3 * self.step_times_s[-1]:.1f} ms"
+                f"step_time {1e3 * self.step_times_s[-1]:.1f} ms", self.printer
             )
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._stop_memory()  # never leave the profiler running
+        self._close_bar()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -353,6 +453,9 @@ def format_summary(s: Summary) -> str:
         f"(mean of last {min(FINAL_LOSS_WINDOW, len(s.train_losses))} steps)",
     ]
     lines += [f"{k}: {v:.4f}" for k, v in sorted(s.val_metrics.items())]
+    shown = [k for k in ("train_loss", *sorted(s.val_metrics)) if k in s.legend]
+    if shown:  # every metric name printed above, defined
+        lines.append("legend: " + "; ".join(f"{k} = {s.legend[k]}" for k in shown))
     if s.step_peak_error:
         lines.append(f"peak memory (step {s.step_peak_step}): n/a ({s.step_peak_error})")
     elif s.step_peak_bytes is not None:

@@ -15,6 +15,7 @@ import lightning as L
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger
 
+from integrations._lightning_warnings import quiet_leafspec
 from recipes.errors import RecipeError
 from recipes.registry import all_plugins, get_task
 from recipes.schema import TrainerConfig
@@ -117,19 +118,28 @@ class PreparedRun:
     stats: RunStats
 
 
-def prepare_run(recipe: Any, *, printer: Callable[[str], None] = print) -> PreparedRun:
+def prepare_run(recipe: Any, *, printer: Callable[[str], None] = print,
+                progress_bar: bool = False) -> PreparedRun:
     """Build the plugin callbacks and the Trainer of a loaded recipe: the checks that need
     Lightning (the callbacks' ``__init__``, Lightning's own checks of ``trainer:``).
 
     ``python -m recipes.run --check`` calls it as well as :func:`run_recipe`, so a recipe that
     passes ``--check`` gets past every check a run makes before it builds the model.
 
+    Args:
+        recipe: The loaded recipe.
+        printer: Receives progress lines and the summary.
+        progress_bar: Draw the runner's progress bar on stderr (NOTE [ A progress bar on a
+            terminal, lines in a log ]); never beside Lightning's own
+            (``trainer.enable_progress_bar``).
+
     Raises:
         RecipeError: a setting a callback or Lightning rejects.
     """
     plugins = plugin_callbacks(recipe)
     phases = FitPhases()
-    stats = RunStats(print_every_n_steps=recipe.trainer.print_every_n_steps, printer=printer)
+    stats = RunStats(print_every_n_steps=recipe.trainer.print_every_n_steps, printer=printer,
+                     progress_bar=progress_bar and not recipe.trainer.enable_progress_bar)
     ordered: list[L.Callback] = [phases]
     for name, callback in plugins.items():
         ordered += [callback, phases.after(name)]
@@ -169,7 +179,8 @@ def _setup_error(e: BaseException, plugins: dict[str, L.Callback]) -> RecipeErro
     return None
 
 
-def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summary:
+def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print,
+               progress_bar: bool = False) -> Summary:
     """Train and validate a loaded recipe (see :func:`recipes.config.load_recipe`).
 
     Order: :func:`prepare_run` (plugin callbacks, their argument checks, and the Trainer), so bad
@@ -180,6 +191,9 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
     Args:
         recipe: The loaded recipe.
         printer: Receives progress lines and the summary.
+        progress_bar: Draw a progress bar over ``trainer.max_steps`` on stderr during training
+            (``python -m recipes.run`` does where stderr is a terminal; the Accelerate loop
+            prints its progress lines only).
 
     Returns:
         The :class:`~recipes.stats.Summary` (on every rank).
@@ -193,21 +207,23 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
 
         return run_recipe_accelerate(recipe, printer=printer)
     task = get_task(recipe.task)
-    run = prepare_run(recipe, printer=printer)
+    run = prepare_run(recipe, printer=printer, progress_bar=progress_bar)
     trainer, stats, phases = run.trainer, run.stats, run.phases
     L.seed_everything(recipe.seed, workers=True, verbose=False)
     module, datamodule = task.build(recipe.model, recipe.data, recipe.optim)
     phases.fit_called()
     fit_t0 = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=datamodule)
+        with quiet_leafspec():  # NOTE [ Lightning's LeafSpec warning ]
+            trainer.fit(module, datamodule=datamodule)
     except Exception as e:
         error = _setup_error(e, run.plugins) if phases.setup_time_s is None else None
         if error is None:
             raise
         raise error from e
     fit_time_s = time.perf_counter() - fit_t0
-    results = trainer.validate(module, datamodule=datamodule, verbose=False)
+    with quiet_leafspec():
+        results = trainer.validate(module, datamodule=datamodule, verbose=False)
     val_metrics = {k: float(v) for r in results for k, v in r.items()}
     describe = getattr(datamodule, "describe", None)
     summary = Summary(
@@ -229,6 +245,7 @@ def run_recipe(recipe: Any, *, printer: Callable[[str], None] = print) -> Summar
         plugin_setup_s=dict(phases.plugin_setup_s),
         plugin_training_s=dict(phases.plugin_training_s),
         plugin_wrapup_s=dict(phases.plugin_wrapup_s),
+        legend=dict(task.metrics),
     )
     if trainer.is_global_zero:
         printer(format_summary(summary))

@@ -259,11 +259,12 @@ def _pooled_prices(samples: list[list[float]], keys: list[object],
 def _cpu_workspaces(run_graph, op_index: dict[str, int], count: int) -> list[int]:
     """Run the graph once under the memory profiler; per op, the peak of bytes it allocated
     above what it returns (freed scratch), from the allocator events inside its time window."""
-    from .memory import _cpu_allocation_events, _memory_profile
+    from .memory import _cpu_allocation_events, _memory_profile, _quiet_unknown_frees
 
     # Each op runs inside a named record_function scope; its allocation events are those whose
-    # timestamps fall inside the scope's window (both on the profiler's clock).
-    with _memory_profile() as prof:
+    # timestamps fall inside the scope's window (both on the profiler's clock). The session's
+    # frees of blocks older than it are not ours to report: NOTE [ Frees the profiler cannot size ].
+    with _quiet_unknown_frees(), _memory_profile() as prof:
         run_graph(_scoped)
     windows = _record_windows(prof)
     events = _cpu_allocation_events(prof)

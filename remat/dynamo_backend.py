@@ -84,6 +84,8 @@ class RematBackend:
         self.shapes = ShapePlans(self.budget, solver=solver, time_limit=self.time_limit,
                                  options=self.options)
         self.current_leaves: list[Any] = []  # the flattened inputs of the call being compiled
+        # Their names, computed on demand (NOTE [ Naming sizes ] in remat/module.py); None: unknown
+        self.current_names: Callable[[], list[str] | None] | None = None
         self.last_entry: int | None = None  # the schedule the latest compiled graph runs
         self.lenient = False  # after pin(): over-budget new shapes warn instead of raising
         # (eager_bytes, outside_bytes) of the example's eager step, measured by rematerialize
@@ -98,13 +100,22 @@ class RematBackend:
         real_inputs = list(example_inputs)
         dims = input_dims(gm.graph, real_inputs, self.current_leaves)
         partition = functools.partial(self._partition, gm=gm, real_inputs=real_inputs,
-                                      request=request, dims=dims)
+                                      request=request, dims=dims, dim_names=self._dim_names(dims))
         return aot_autograd(
             fw_compiler=_compile_graph,
             bw_compiler=_compile_graph,
             inference_compiler=_compile_graph,
             partition_fn=partition,
         )(gm, example_inputs)
+
+    def _dim_names(self, dims: dict[str, tuple[int, int]]) -> dict[str, str]:
+        """Size symbol -> ``"input_ids[1]"``: the name of the input leaf and the axis
+        (NOTE [ Naming sizes ] in remat/module.py); empty when the call is not known."""
+        names = self.current_names() if dims and self.current_names is not None else None
+        if not names:
+            return {}
+        return {s: f"{names[leaf]}[{axis}]" for s, (leaf, axis) in dims.items()
+                if leaf < len(names)}
 
     @property
     def plans(self) -> list[Plan]:
@@ -118,7 +129,8 @@ class RematBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                    gm: fx.GraphModule, real_inputs: list[Any], request: int | None = None,
-                   dims: dict[str, tuple[int, int]] | None = None, **_: Any
+                   dims: dict[str, tuple[int, int]] | None = None,
+                   dim_names: dict[str, str] | None = None, **_: Any
                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         split_dropout(joint)
         alias_clones(joint)  # NOTE [ Copies nobody mutates ]
@@ -130,7 +142,8 @@ class RematBackend:
         family = self.shapes.families.get(key)
         if family is None:
             entry = self._solve_family(lowered, joint, gm, real_inputs, key, symbols, sizes,
-                                       [(dims or {}).get(s) for s in symbols])
+                                       [(dims or {}).get(s) for s in symbols],
+                                       [(dim_names or {}).get(s) for s in symbols])
         elif request is not None and self.shapes.entries[request].family == key:
             entry = request  # NOTE [ Shape-generic plans ]: the slot's own schedule
         else:
@@ -138,7 +151,8 @@ class RematBackend:
         self.last_entry = entry
         return generate_modules(lowered, self.shapes.entries[entry].schedule, joint)
 
-    def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims) -> int:
+    def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims,
+                      dim_names) -> int:
         """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
         cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options,
                               structure=key)
@@ -183,7 +197,7 @@ class RematBackend:
             if self.cache is not None:
                 self.cache.put(cache_key, schedule, plan)
         sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
-        return self.shapes.add_family(key, sized, schedule, plan, dims)
+        return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
 
     def pin(self, plan: Plan) -> None:
         """After the example call: a graph that cannot fit the budget later runs with its

@@ -15,6 +15,8 @@ existed before are not counted, storages allocated inside and still alive at exi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -115,46 +117,47 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
             "is already running (nested sessions record nothing). Measure outside that session, "
             "or on CUDA use track_memory('cuda')."
         )
-    prof = _memory_profile()
-    prof.__enter__()
-    try:
-        yield tracker
-    finally:
-        still_ours = torch._C._autograd._profiler_enabled()
-        if still_ours:
-            prof.__exit__(None, None, None)
-        events = _cpu_allocation_events(prof) if still_ours else []
-        if not still_ours:
-            # Never a silent 0: someone ended our session (a profiler started and stopped
-            # inside the block), so the allocations are unknown.
-            raise RuntimeError(
-                "track_memory(): another torch.profiler session was started and stopped inside "
-                "the block, which ended the one measuring memory, so nothing was recorded. "
-                "Start other profilers outside track_memory(), or measure on CUDA.")
-        # Each sentinel is alive to the end, so its allocation is the last one at its address.
-        sentinel_at, sentinels = {}, {t.data_ptr() for t in tracker._sentinels}
-        for i, (_, ptr, size) in enumerate(events):
-            if size > 0 and ptr in sentinels:
-                sentinel_at[ptr] = i
-        at_index = {i: ptr for ptr, i in sentinel_at.items()}
-        mark_bytes: dict[int, int] = {}
-        live: dict[int, int] = {}
-        current = peak = 0
-        for i, (_, ptr, size) in enumerate(events):
-            if i in at_index:
-                mark_bytes[ptr] = current
-                continue
-            if size > 0:
-                live[ptr] = live.get(ptr, 0) + size
-                current += size
-                peak = max(peak, current)
-            elif ptr in live:  # frees of storages allocated before entry do not count
-                current -= live.pop(ptr)
-        tracker.peak_bytes, tracker.end_bytes = peak, current
-        tracker.marks = [mark_bytes.get(t.data_ptr(), 0) for t in tracker._sentinels]
-        tracker._sentinels.clear()
-        tracker.num_events = len(events)
-        tracker._done = True
+    with _quiet_unknown_frees():  # NOTE [ Frees the profiler cannot size ]
+        prof = _memory_profile()
+        prof.__enter__()
+        try:
+            yield tracker
+        finally:
+            still_ours = torch._C._autograd._profiler_enabled()
+            if still_ours:
+                prof.__exit__(None, None, None)
+            events = _cpu_allocation_events(prof) if still_ours else []
+            if not still_ours:
+                # Never a silent 0: someone ended our session (a profiler started and stopped
+                # inside the block), so the allocations are unknown.
+                raise RuntimeError(
+                    "track_memory(): another torch.profiler session was started and stopped "
+                    "inside the block, which ended the one measuring memory, so nothing was "
+                    "recorded. Start other profilers outside track_memory(), or measure on CUDA.")
+            # Each sentinel is alive to the end, so its allocation is the last at its address.
+            sentinel_at, sentinels = {}, {t.data_ptr() for t in tracker._sentinels}
+            for i, (_, ptr, size) in enumerate(events):
+                if size > 0 and ptr in sentinels:
+                    sentinel_at[ptr] = i
+            at_index = {i: ptr for ptr, i in sentinel_at.items()}
+            mark_bytes: dict[int, int] = {}
+            live: dict[int, int] = {}
+            current = peak = 0
+            for i, (_, ptr, size) in enumerate(events):
+                if i in at_index:
+                    mark_bytes[ptr] = current
+                    continue
+                if size > 0:
+                    live[ptr] = live.get(ptr, 0) + size
+                    current += size
+                    peak = max(peak, current)
+                elif ptr in live:  # frees of storages allocated before entry do not count
+                    current -= live.pop(ptr)
+            tracker.peak_bytes, tracker.end_bytes = peak, current
+            tracker.marks = [mark_bytes.get(t.data_ptr(), 0) for t in tracker._sentinels]
+            tracker._sentinels.clear()
+            tracker.num_events = len(events)
+            tracker._done = True
 
 
 # CUDA trackers open now, innermost last: see :func:`reset_cuda_peak`.
@@ -173,6 +176,54 @@ def reset_cuda_peak(device: torch.device) -> None:
         if dev == device:
             tracker._cuda_floor = max(tracker._cuda_floor, peak)
     torch.cuda.reset_peak_memory_stats(device)
+
+
+# NOTE [ Frees the profiler cannot size ]
+# With ``profile_memory=True`` the CPU allocator notes each block's size when it is allocated, to
+# report its free. A block allocated before the session started and freed inside it (the previous
+# step's gradients, freed by ``zero_grad``; a batch the loop lets go of: every measured training
+# step frees some) has no size there, and c10 logs, at the first such free in the process and
+# every 1000th after, ``[W... CPUAllocator.cpp:245] Memory block of unknown size was allocated
+# before the profiling started, profiler results will not include the deallocation event``.
+# For us the line says nothing: those frees are what ``track_memory`` leaves out by design
+# (storages live at entry are not counted). No profiler option turns the check off, and nothing
+# can keep a free out of the session. ``TORCH_CPP_LOG_LEVEL=ERROR`` hides it, but torch reads it
+# once, when it loads, and it then hides every C++ warning of the process for its whole life.
+# So while one of our sessions runs, and only then, c10's log threshold (``FLAGS_caffe2_log_level``,
+# the variable that ``TORCH_CPP_LOG_LEVEL`` sets) goes from WARNING to ERROR and back after: C++
+# ``LOG(WARNING)`` lines logged by any thread inside a measured block are not shown (``TORCH_WARN``
+# reaches Python's ``warnings`` and is unaffected). A level the user chose (``TORCH_CPP_LOG_LEVEL``)
+# is left alone, and where the c10 library does not export the variable nothing changes.
+_C10_WARNING, _C10_ERROR = 1, 2
+
+
+@functools.lru_cache(maxsize=1)
+def _c10_log_level() -> ctypes.c_int | None:
+    """c10's ``FLAGS_caffe2_log_level`` (NOTE [ Frees the profiler cannot size ]), or ``None``."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        path = os.path.join(lib_dir, name)
+        if os.path.exists(path):
+            try:
+                return ctypes.c_int.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
+            except (OSError, ValueError):  # not exported by this build
+                return None
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_unknown_frees() -> Iterator[None]:
+    """c10's warnings off while a memory-profiling session of ours runs; see
+    NOTE [ Frees the profiler cannot size ]."""
+    level = _c10_log_level()
+    if level is None or level.value != _C10_WARNING:
+        yield
+        return
+    level.value = _C10_ERROR
+    try:
+        yield
+    finally:
+        level.value = _C10_WARNING
 
 
 def _memory_profile() -> "torch.profiler.profile":

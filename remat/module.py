@@ -215,6 +215,43 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     return leaves, (str(spec), key)
 
 
+def _leaf_names(module: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
+    """A name for each leaf of the call ``module(*args, **kwargs)``, in :func:`_flatten`'s order.
+
+    NOTE [ Naming sizes ]
+    A size symbol of the captured graph (``s52``) means nothing to a person; the input dimension
+    it stands for does. Where the call is known (:class:`RematModule`'s own calls), each leaf is
+    named as the user wrote it: a keyword argument by its key (``input_ids``), a positional one by
+    its parameter name in ``module.forward``'s signature (``x``; ``arg0`` where the signature does
+    not say, e.g. ``*args``), a nested leaf by its path (``batch['x']``, ``pair[1]``). The backend
+    adds the axis (``input_ids[1]``) and :class:`~remat.sizes.ShapePlans` prints every size that
+    way. Graphs compiled through ``torch.compile(backend=remat.backend(...))`` are handed to us by
+    dynamo without the call, so their sizes read ``size s52``. Returns ``None`` when the call's
+    structure has no key paths (a custom pytree node registered without them).
+    """
+    import inspect
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension)
+        params = []
+    try:
+        paths = [path for path, _ in tree_flatten_with_path((args, kwargs))[0]]
+    except (ValueError, TypeError):
+        return None
+    names = []
+    for path in paths:
+        where, first, rest = path[0], path[1], path[2:]
+        if getattr(where, "idx", None) == 0:  # a positional argument
+            head = params[first.idx] if first.idx < len(params) else f"arg{first.idx}"
+        else:
+            head = str(first.key)
+        names.append(head + keystr(rest))
+    return names
+
+
 def _forget_backends(slots: dict) -> None:
     from torch._dynamo import eval_frame
 
@@ -307,7 +344,7 @@ class RematModule(nn.Module):
             backend = self._remat_backend
             slot_backend = functools.partial(backend, request=entry)
             slot_backend.__name__ = "remat_backend"  # type: ignore[attr-defined]
-            step = _own_step("auto" if entry is None else str(entry))
+            step = _own_step("auto" if entry is None else str(entry + 1))  # numbered as shown
             slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True, dynamic=True,
                                           recompile_limit=_RECOMPILE_LIMIT,
                                           isolate_recompiles=True), slot_backend, step.__code__)
@@ -332,6 +369,8 @@ class RematModule(nn.Module):
         backend = self._remat_backend
         step = self._slot(entry)
         backend.current_leaves = leaves
+        # NOTE [ Naming sizes ]: read only when the step is compiled
+        backend.current_names = functools.partial(_leaf_names, self._remat_original, args, kwargs)
         unmarked = [x for x in leaves if isinstance(x, torch.Tensor)
                     and not hasattr(x, _PROPAGATED_DIMS)]
         try:
@@ -341,6 +380,7 @@ class RematModule(nn.Module):
                 return step(self._remat_original, args, kwargs)
         finally:
             backend.current_leaves = []
+            backend.current_names = None
             for x in unmarked:  # NOTE [ The user's tensors leave as they came ]
                 if hasattr(x, _PROPAGATED_DIMS):
                     delattr(x, _PROPAGATED_DIMS)

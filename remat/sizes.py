@@ -182,6 +182,7 @@ class Family:
     budget_bytes: int  # the budget the family was first solved with
     max_baseline: int = 0  # largest unmodified-step peak seen (NOTE [ Budgets over many sizes ])
     input_dims: tuple[tuple[int, int] | None, ...] = ()  # per symbol: (input leaf, dimension)
+    dim_names: tuple[str | None, ...] = ()  # per symbol: ``input_ids[1]`` (NOTE [ Naming sizes ])
     entries: list[int] = field(default_factory=list)  # indices into ShapePlans.entries
     solved_at: set[tuple[int, ...]] = field(default_factory=set)
     envelope: tuple[int, ...] = ()  # componentwise max of the sizes solved for
@@ -244,9 +245,15 @@ class ShapePlans:
 
     # ---- building --------------------------------------------------------------------------
     def add_family(self, key: str, sized: SizedGraph, schedule: Schedule, plan: Plan,
-                   input_dims: Sequence[tuple[int, int] | None] = ()) -> int:
-        """Register a freshly solved graph; returns the entry index of its schedule."""
-        family = Family(key, sized, plan.budget_bytes, plan.baseline_bytes, tuple(input_dims))
+                   input_dims: Sequence[tuple[int, int] | None] = (),
+                   dim_names: Sequence[str | None] = ()) -> int:
+        """Register a freshly solved graph; returns the entry index of its schedule.
+
+        ``input_dims`` and ``dim_names`` give, per size symbol, the input dimension it is
+        (``(leaf index, axis)``) and its name (``"input_ids[1]"``), ``None`` where unknown.
+        """
+        family = Family(key, sized, plan.budget_bytes, plan.baseline_bytes, tuple(input_dims),
+                        tuple(dim_names))
         self.families[key] = family
         family.solved_at.add(sized.sizes)
         first = self._add(family, schedule, plan, f"solved at {self.describe(family, sized.sizes)}",
@@ -270,9 +277,13 @@ class ShapePlans:
 
     @staticmethod
     def describe(family: Family, sizes: Sequence[int]) -> str:
+        """Sizes as a person reads them (NOTE [ Naming sizes ]): ``input_ids[0]=8,
+        input_ids[1]=212``, or ``size s52=4`` for a symbol no input is known to have."""
         if not family.sized.symbols:
             return "static shapes"
-        return ", ".join(f"{s}={v}" for s, v in zip(family.sized.symbols, sizes))
+        names = family.dim_names
+        return ", ".join(f"{names[i] if i < len(names) and names[i] else 'size ' + s}={v}"
+                         for i, (s, v) in enumerate(zip(family.sized.symbols, sizes)))
 
     @property
     def plans(self) -> list[Plan]:
@@ -429,11 +440,19 @@ class ShapePlans:
         return Choice(best, sizes, best_sim.peak_bytes, best_sim.time, fits)
 
     def summary(self) -> str:
-        """Every batch size seen: which schedule it ran and its predicted peak."""
-        lines = []
-        for (key, sizes), c in sorted(self.choices.items(), key=lambda kv: kv[0][1]):
-            family = self.families[key]
-            lines.append(f"{self.describe(family, sizes):<28} schedule {c.entry} "
+        """Every batch size seen: which schedule it ran and its predicted peak.
+
+        Schedules are numbered from 1 here (``entries[0]`` is schedule 1), as everything shown
+        to a person is; sizes are named as :meth:`describe` names them.
+
+        Example:
+            >>> print(net.shapes.summary())  # doctest: +SKIP
+            input_ids[0]=2, input_ids[1]=40   schedule 2 (unmodified step, run eagerly): 3.9 MiB
+            input_ids[0]=4, input_ids[1]=128  schedule 1 (solved at input_ids[0]=4, ...): 9.3 MiB
+        """
+        rows = [(self.describe(self.families[key], sizes), c)
+                for (key, sizes), c in sorted(self.choices.items(), key=lambda kv: kv[0][1])]
+        width = max((len(where) for where, _ in rows), default=0)
+        return "\n".join(f"{where:<{width}}  schedule {c.entry + 1} "
                          f"({self.entries[c.entry].label}): {format_bytes(c.peak_bytes)}"
-                         + ("" if c.fits else "  [over budget]"))
-        return "\n".join(lines)
+                         + ("" if c.fits else "  [over budget]") for where, c in rows)

@@ -68,9 +68,14 @@ def input_dims(graph: "torch.fx.Graph", example_inputs, leaves) -> dict[str, tup
     """For each size symbol that is a dimension of a call's input: (leaf index, dimension).
 
     ``graph`` is dynamo's graph, ``example_inputs`` what dynamo passed for its placeholders,
-    ``leaves`` the flattened tensors of the user's call (matched by identity).
+    ``leaves`` the flattened tensors of the user's call (matched by identity). A symbol several
+    inputs share (``input_ids`` and ``labels``) is read from the one the call passes first, the
+    name a person reads it by (NOTE [ Naming sizes ] in ``remat/module.py``).
     """
-    position = {id(t): k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+    position: dict[int, int] = {}  # a tensor passed twice (input_ids=ids, labels=ids): the first
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            position.setdefault(id(t), k)
     found: dict[str, tuple[int, int]] = {}
     for node, real in zip(graph.find_nodes(op="placeholder"), example_inputs):
         fake = node.meta.get("example_value")
@@ -78,5 +83,6 @@ def input_dims(graph: "torch.fx.Graph", example_inputs, leaves) -> dict[str, tup
             continue
         for dim, size in enumerate(fake.shape):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                found.setdefault(str(size.node.expr), (position[id(real)], dim))
+                symbol, where = str(size.node.expr), (position[id(real)], dim)
+                found[symbol] = min(found.get(symbol, where), where)
     return found

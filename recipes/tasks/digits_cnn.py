@@ -89,9 +89,17 @@ def build(model: CNNModelConfig, data: DigitsDataConfig, optim: OptimConfig):
     return DigitsClassifier(net, optim=optim), datamodule
 
 
+# What the digits classifiers log (recipes/tasks/_classifier.py), for the summary's legend.
+CLASSIFIER_METRICS = {
+    "train_loss": "training cross-entropy per image, in nats",
+    "val_loss": "validation cross-entropy per image, in nats (a uniform guess: ln 10 = 2.30)",
+    "val_acc": "validation accuracy, the fraction of images classified right",
+}
+
 TASK = Task(
     model=CNNModelConfig,
     data=DigitsDataConfig,
     build=build,
     description="BatchNorm CNN on scikit-learn's bundled 8x8 digits; val accuracy",
+    metrics=CLASSIFIER_METRICS,
 )

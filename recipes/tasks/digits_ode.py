@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from recipes.errors import InvalidValue
 from recipes.optim import OptimConfig
 from recipes.registry import Task
-from recipes.tasks.digits_cnn import DigitsDataConfig
+from recipes.tasks.digits_cnn import CLASSIFIER_METRICS, DigitsDataConfig
 
 
 @dataclass
@@ -95,4 +95,5 @@ TASK = Task(
     data=DigitsDataConfig,
     build=build,
     description="neural-ODE classifier (ode.ODEBlock) on scikit-learn's bundled 8x8 digits",
+    metrics=CLASSIFIER_METRICS,
 )

@@ -148,4 +148,10 @@ TASK = Task(
     build=build,
     check=check,
     description="byte-level GPT (pre-LN, causal attention) on CPython stdlib sources; val loss/ppl",
+    metrics={
+        "train_loss": "training cross-entropy per byte, in nats",
+        "val_loss": "validation cross-entropy per byte, in nats (a uniform guess: ln 256 = 5.55)",
+        "val_ppl": "validation perplexity, exp(val_loss)",
+        "val_bpb": "validation bits per byte, val_loss / ln 2",
+    },
 )

@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,7 +113,21 @@ def _reference(model_cls=Net, dicts=False, seeded=False):
     return losses, model
 
 
-def test_prepare_rematerializes_and_losses_are_bitwise_equal():
+def _summary_lines(caplog) -> tuple[str, str]:
+    """The table logged after prepare() and the first training step's line (exactly one)."""
+    messages = [r.getMessage() for r in caplog.records if r.name == "integrations.accelerate"]
+    tables = [m for m in messages if m.startswith("HiRemateAccelerator: memory under budget")]
+    steps = [m for m in messages if "measured peak of the first training step" in m]
+    assert len(tables) == 1 and len(steps) == 1, messages
+    return tables[0], steps[0]
+
+
+_FIRST_STEP = re.compile(r"HiRemateAccelerator: measured peak of the first training step: "
+                         r"\d+\.\d\d [KM]iB \((\d+)% of the unmodified warmup step's (.+)\)")
+
+
+def test_prepare_rematerializes_and_losses_are_bitwise_equal(caplog):
+    caplog.set_level(logging.INFO, logger="integrations.accelerate")
     plain, plain_model = _reference()
     net = Net()
     ids = [id(p) for p in net.parameters()]
@@ -130,9 +146,18 @@ def test_prepare_rematerializes_and_losses_are_bitwise_equal():
     assert plan.budget_bytes == math.floor(0.5 * step_bytes - plan.outside_bytes)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert len(losses) == 2 * STEPS_PER_EPOCH  # the warmup did not take a batch away
+    # The summary says what its percentages are of, then what the first step measured.
+    table, first_step = _summary_lines(caplog)
+    eager = remat.format_bytes(step_bytes)
+    assert table.endswith(f"\n  measured peak of the unmodified warmup step: {eager} (forward + "
+                          "backward of the model on the example batch)"), table
+    match = _FIRST_STEP.fullmatch(first_step)
+    assert match and match[2] == eager, first_step
+    assert 25 <= int(match[1]) <= 50, first_step  # measured within the 50% budget
 
 
-def test_submodule_target_is_swapped_in_place_with_dict_batches():
+def test_submodule_target_is_swapped_in_place_with_dict_batches(caplog):
+    caplog.set_level(logging.INFO, logger="integrations.accelerate")
     plain, _ = _reference(Classifier, dicts=True, seeded=True)
     model = Classifier()
     body = model.body
@@ -142,6 +167,13 @@ def test_submodule_target_is_swapped_in_place_with_dict_batches():
     assert torch.equal(losses, plain)
     assert prepared is model and prepared.temperature == 1.0  # still the user's own object
     assert isinstance(model.body, remat.RematModule) and model.body.original is body
+    # The whole model's unmodified step (its loss included) is measured for the summary.
+    table, first_step = _summary_lines(caplog)
+    eager = re.search(r"\n  measured peak of the unmodified warmup step: (\d+\.\d\d [KM]iB) "
+                      r"\(forward \+ backward of the model on the example batch\)$", table)
+    match = _FIRST_STEP.fullmatch(first_step)
+    assert eager and match and match[2] == eager[1], (table, first_step)
+    assert 25 <= int(match[1]) <= 50, first_step
 
 
 def test_launcher_flag_is_read_from_the_environment(monkeypatch):

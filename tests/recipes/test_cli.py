@@ -136,6 +136,72 @@ def test_check_of_a_good_recipe_builds_the_trainer(capsys, monkeypatch):
     assert names[0] == "FitPhases" and "HiRemateCallback" in names
 
 
+# ---- flags anywhere, one config line -----------------------------------------------------------
+
+
+MISSPELT = ("error: unknown key 'remat.solvr' (from override 'remat.solvr=dp'); did you mean "
+            "'remat.solver'? Keys allowed under 'remat': enabled, budget, module, solver, "
+            "time_limit, cache_dir, strict, verbose\n")
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["--check", str(GPT_REMAT), "remat.solvr=dp"], id="check-first"),
+    pytest.param([str(GPT_REMAT), "--check", "remat.solvr=dp"], id="check-before-overrides"),
+    pytest.param([str(GPT_REMAT), "remat.solvr=dp", "--check"], id="check-last"),
+])
+def test_flags_go_anywhere_and_a_misspelt_key_is_reported(capsys, argv):
+    status, out, err = _run(capsys, *argv)
+    assert (status, out, err) == (EXIT_BAD_RECIPE, "", MISSPELT)
+
+
+def test_check_before_the_overrides_applies_them(capsys):
+    status, out, err = _run(capsys, str(GPT_REMAT), "--check", "remat.solver=dp",
+                            "trainer.max_steps=7")
+    assert status == 0, err
+    assert out.startswith(f"# resolved recipe: {GPT_REMAT} remat.solver=dp trainer.max_steps=7\n")
+    assert "  solver: dp\n" in out and "  max_steps: 7\n" in out
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """``recipes.run`` up to the training, which is recorded instead of run."""
+    calls = []
+    monkeypatch.setattr(recipes.train, "run_recipe",
+                        lambda recipe, **kwargs: calls.append((recipe, kwargs)))
+    return calls
+
+
+@pytest.mark.parametrize("overrides, line", [
+    pytest.param([], "config: {path}; full config: --print-config", id="no-override"),
+    pytest.param(["trainer.max_steps=30"], "config: {path} + 1 override (trainer.max_steps=30); "
+                 "full config: --print-config", id="one-override"),
+    pytest.param(["trainer.max_steps=30", "remat.budget=70%"],
+                 "config: {path} + 2 overrides (trainer.max_steps=30, remat.budget=70%); full "
+                 "config: --print-config", id="two-overrides"),
+])
+def test_a_run_prints_one_config_line(capsys, no_training, overrides, line):
+    status, out, _ = _run(capsys, str(GPT_REMAT), *overrides)
+    assert status == 0 and out == line.format(path=GPT_REMAT) + "\n"
+    ((recipe, kwargs),) = no_training
+    assert recipe.trainer.max_steps == (30 if overrides else 300)
+    assert kwargs == {"progress_bar": False}  # pytest's stderr is no terminal: no bar
+
+
+def test_print_config_prints_the_resolved_yaml_before_the_run(capsys, no_training):
+    status, out, _ = _run(capsys, "--print-config", str(GPT_REMAT), "trainer.max_steps=30")
+    assert status == 0 and len(no_training) == 1
+    assert out.startswith(f"# resolved recipe: {GPT_REMAT} trainer.max_steps=30\ntask: gpt_lm\n")
+    assert "\n  max_steps: 30\n" in out and "full config: --print-config" not in out
+
+
+def test_a_terminal_gets_a_progress_bar(capsys, no_training, monkeypatch):
+    from recipes.stats import ProgressBar
+
+    monkeypatch.setattr(ProgressBar, "terminal", staticmethod(lambda: True))
+    assert _run(capsys, str(GPT_REMAT))[0] == 0
+    assert no_training[0][1] == {"progress_bar": True}
+
+
 # ---- checks that used to wait for build time ---------------------------------------------------
 
 
@@ -342,6 +408,34 @@ def test_summary_splits_fit_into_setup_and_training(recipe_path, monkeypatch):
            f"{summary.plugin_setup_s['slow']:.2f} s\n" in text
     assert f"\ntraining: {summary.training_time_s:.2f} s for 2 steps, " in text
     assert f"; plugin hooks: slow {summary.plugin_training_s['slow']:.2f} s\n" in text
+
+
+def test_progress_bar_counts_the_run_steps_and_prints_the_lines_above_it(recipe_path, capsys):
+    """NOTE [ A progress bar on a terminal, lines in a log ]: the bar (on stderr) counts
+    ``max_steps``; the progress lines still reach the printer."""
+    lines: list[str] = []
+    recipe = load_recipe(recipe_path("cnn_plain.yaml"),
+                         ["trainer.max_steps=3", "trainer.print_every_n_steps=1"])
+    run_recipe(recipe, printer=lines.append, progress_bar=True)
+    err = capsys.readouterr().err
+    assert "training: 100%" in err and "| 3/3 [" in err and ", train_loss=" in err, err[-2000:]
+    assert [line.split("  ")[0] for line in lines[:3]] == ["step 1/3", "step 2/3", "step 3/3"]
+
+
+def test_the_summary_defines_every_metric_it_prints():
+    from recipes.registry import get_task
+
+    summary = Summary(
+        steps=2, step_times_s=[0.1, 0.1], timed_steps=[1], train_losses=[5.5, 5.0],
+        val_metrics={"val_bpb": 4.2122, "val_loss": 2.9197, "val_ppl": 18.5353},
+        step_peak_bytes=None, step_peak_step=None, step_peak_error="", fit_peak_bytes=None,
+        device="cpu", fit_time_s=1.0, num_params=10, legend=dict(get_task("gpt_lm").metrics),
+    )
+    lines = format_summary(summary).splitlines()
+    assert lines[lines.index("val_ppl: 18.5353") + 1] == (
+        "legend: train_loss = training cross-entropy per byte, in nats; val_bpb = validation bits "
+        "per byte, val_loss / ln 2; val_loss = validation cross-entropy per byte, in nats (a "
+        "uniform guess: ln 256 = 5.55); val_ppl = validation perplexity, exp(val_loss)")
 
 
 def test_format_of_the_time_lines():

@@ -33,8 +33,15 @@ def test_cli_runs_plain_cnn_recipe_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert out.startswith(f"# resolved recipe: {RECIPES_DIR / 'cnn_plain.yaml'} trainer.max_steps=5")
-    assert "\n  max_steps: 5\n" in out
+    # One line for the config (the YAML only with --print-config), no progress bar in a pipe,
+    # none of the lines we cannot act on: c10's profiler line (NOTE [ Frees the profiler cannot
+    # size ]), Lightning's LeafSpec warning (NOTE [ Lightning's LeafSpec warning ]).
+    assert out.startswith(f"config: {RECIPES_DIR / 'cnn_plain.yaml'} + 2 overrides "
+                          "(trainer.max_steps=5, trainer.print_every_n_steps=5); full config: "
+                          "--print-config\n")
+    assert "max_steps:" not in out and "resolved recipe" not in out
+    for unwanted in ("CPUAllocator", "Memory block of unknown size", "LeafSpec", "\r"):
+        assert unwanted not in proc.stderr, proc.stderr
     assert re.search(r"^step 5/5  train_loss \d+\.\d{4}  step_time \d+\.\d ms$", out, re.M)
     s = _summary(out)
     assert s["steps"] == "5"
@@ -47,6 +54,9 @@ def test_cli_runs_plain_cnn_recipe_end_to_end(tmp_path):
                         r"validation during fit included\)", s["training"]), s["training"]
     assert abs(float(s["train_loss first"]) - LN10) < 0.3  # untrained 10-class guess
     assert 0.0 <= float(s["val_acc"]) <= 1.0 and math.isfinite(float(s["val_loss"]))
+    assert s["legend"].startswith("train_loss = training cross-entropy per image, in nats; "
+                                  "val_acc = validation accuracy, the fraction of images "
+                                  "classified right; val_loss = ")
     # the step allocates at least the new gradients (4 bytes a parameter), and far less than 64 MiB
     peak = s["peak memory (step 5)"]
     assert peak.endswith(" MiB allocated inside the step on cpu (remat.track_memory)")

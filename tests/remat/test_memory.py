@@ -84,19 +84,42 @@ def test_a_profiler_ended_inside_track_memory_raises_instead_of_reading_zero():
                 torch.ones(1024)
 
 
-def test_measuring_prints_nothing_on_stderr():
-    """Kineto logs ``USDT: ... profiler_start/stop`` for every profiler session by default."""
+def _run_quietly(code: str):
     import os
     import subprocess
     import sys
 
-    code = ("import torch, remat\n"
-            "for _ in range(3):\n"
-            "    with remat.track_memory() as m:\n"
-            "        torch.ones(1024)\n"
-            "assert m.peak_bytes == 4096\n")
-    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL",
+                                                           "TORCH_CPP_LOG_LEVEL")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_measuring_prints_nothing_on_stderr():
+    """Kineto logs ``USDT: ... profiler_start/stop`` for every profiler session by default, and
+    c10 logs the first free of a block older than the session (NOTE [ Frees the profiler cannot
+    size ]): a training step frees the previous step's gradients."""
+    done = _run_quietly(
+        "import torch, remat\n"
+        "from remat.memory import _c10_log_level\n"
+        "for _ in range(3):\n"
+        "    older = torch.ones(4096)\n"
+        "    with remat.track_memory() as m:\n"
+        "        torch.ones(1024)\n"
+        "        del older\n"
+        "    assert m.peak_bytes == 4096\n"
+        "    assert _c10_log_level().value == 1  # WARNING again after the block\n")
     assert "USDT" not in done.stderr and "profiler_st" not in done.stderr, done.stderr
+    assert "CPUAllocator" not in done.stderr and "unknown size" not in done.stderr, done.stderr
+
+
+def test_a_bare_memory_profiler_logs_the_free_of_an_older_block():
+    """The control of the test above: the line it checks is there without our sessions."""
+    done = _run_quietly(
+        "import torch\n"
+        "older = torch.ones(4096)\n"
+        "with torch.profiler.profile(profile_memory=True):\n"
+        "    del older\n")
+    assert "CPUAllocator.cpp" in done.stderr and "Memory block of unknown size" in done.stderr

@@ -323,7 +323,7 @@ def test_later_shapes_keep_the_byte_budget_and_never_fail():
     big = torch.randn(4096, 32)  # eight times the activations cannot fit: warn, run, stay exact
     for p in model.parameters():
         p.grad = None
-    with pytest.warns(UserWarning, match="no schedule fits"):
+    with pytest.warns(UserWarning, match=r"no schedule fits .* for sizes x\[0\]=4096 "):
         step(rm, (big,))
     assert not rm.shapes.choose(family, (4096,)).fits
     step(ref, (big,))

@@ -48,7 +48,7 @@ def shapes(count: int, seed: int = 0) -> list[tuple[int, int]]:
     return [(rng.randint(1, MAX_BATCH), n) for n in lengths]
 
 
-def test_forty_steps_thirty_lengths_exact_within_budget_few_solves(capsys):
+def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
     ref = tiny_gpt2()
     model = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(0)
@@ -99,13 +99,12 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves(capsys):
             assert mem.peak_bytes <= budget + LOSS_SLACK_BYTES, (batch, length)
             checked += 1
     solves = len(rm.plans)
-    with capsys.disabled():
-        print(f"\n40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s "
-              f"(single shape {single_setup:.1f} s); {checked} steps within the budget\n"
-              + rm.shapes.summary())
-    assert solves <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1
-    assert checked >= 28
-    assert setup <= 3 * single_setup
+    # What the run did, shown only when an assertion fails (tests print nothing themselves).
+    report = (f"40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s (single shape "
+              f"{single_setup:.1f} s); {checked} steps within the budget\n{rm.shapes.summary()}")
+    assert solves <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1, report
+    assert checked >= 28, report
+    assert setup <= 3 * single_setup, report
 
 
 def first_family(rm) -> str:
@@ -156,6 +155,15 @@ def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
         assert mem.peak_bytes <= rm.shapes.budget_at(family, (batch, length)) + LOSS_SLACK_BYTES
     assert counters["aot_autograd"]["total"] == captures
     assert len(rm.plans) == 1
+    # NOTE [ Naming sizes ]: named by keyword and axis, schedules numbered from 1.
+    summary = rm.shapes.summary().splitlines()
+    assert [line.split(": ")[0] for line in summary] == [
+        "input_ids[0]=1, input_ids[1]=33   schedule 2 (unmodified step, run eagerly)",
+        "input_ids[0]=2, input_ids[1]=40   schedule 2 (unmodified step, run eagerly)",
+        "input_ids[0]=3, input_ids[1]=17   schedule 2 (unmodified step, run eagerly)",
+        "input_ids[0]=4, input_ids[1]=128  schedule 1 (solved at input_ids[0]=4, "
+        "input_ids[1]=128)",
+    ], summary
 
 
 def test_twenty_rematerialize_calls_in_one_process_all_rematerialized():
@@ -249,3 +257,74 @@ def test_one_capture_per_schedule_and_float_arguments_stay_symbolic():
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert counters["aot_autograd"]["total"] == captures  # one capture serves every scale
+
+
+# ---- NOTE [ Naming sizes ] ---------------------------------------------------------------------
+
+
+class _Positional(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None: ...
+
+
+class _Nested(nn.Module):
+    def forward(self, batch: dict) -> None: ...
+
+
+class _VarArgs(nn.Module):
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> None: ...
+
+
+@pytest.mark.parametrize("module, args, kwargs, names", [
+    pytest.param(_Positional(), (1, 2), {}, ["x", "mask"], id="positional-by-parameter-name"),
+    pytest.param(_Positional(), (), {"mask": 2, "x": 1}, ["mask", "x"], id="keyword"),
+    pytest.param(_Nested(), ({"x": 1, "y": [2, 3]},), {}, ["batch['x']", "batch['y'][0]",
+                                                           "batch['y'][1]"], id="nested"),
+    pytest.param(_VarArgs(), (1, 2, 3), {}, ["x", "arg1", "arg2"], id="varargs-by-position"),
+])
+def test_each_leaf_of_a_call_is_named_as_the_user_wrote_it(module, args, kwargs, names):
+    from remat.module import _flatten, _leaf_names
+
+    assert _leaf_names(module, args, kwargs) == names
+    assert len(_flatten(args, kwargs)[0]) == len(names)  # the leaves' order, one name each
+
+
+class _DictMLP(nn.Module):
+    """Takes its input the way a collate function hands it over: a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.Tanh())])
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.body(batch["x"]).sum(-1)
+
+
+def test_summary_and_warnings_name_sizes_by_input_and_axis():
+    torch.manual_seed(0)
+    rm = remat.rematerialize(_DictMLP(), {"x": torch.randn(64, 16, 32)}, budget=800_000,
+                             time_limit=5)
+    rm({"x": torch.randn(32, 16, 32)}).sum().backward()  # fits as it is: runs eagerly
+    with pytest.warns(UserWarning) as record:  # cannot fit this budget
+        rm({"x": torch.randn(128, 16, 32)}).sum().backward()
+    (warning,) = [w for w in record if "no schedule fits" in str(w.message)]
+    assert "for sizes batch['x'][0]=128, batch['x'][1]=16 (no schedule can go below" \
+        in str(warning.message)
+    lines = [line.split(": ")[0] for line in rm.shapes.summary().splitlines()]
+    assert lines[0] == "batch['x'][0]=32, batch['x'][1]=16   schedule 2 (unmodified step, run eagerly)"
+    assert lines[1] == ("batch['x'][0]=64, batch['x'][1]=16   schedule 1 (solved at "
+                        "batch['x'][0]=64, batch['x'][1]=16)")
+    assert lines[2].startswith("batch['x'][0]=128, batch['x'][1]=16  schedule 3 ("), lines
+    assert rm.shapes.summary().endswith("  [over budget]")
+
+
+def test_graphs_compiled_by_dynamo_name_their_sizes_by_symbol():
+    """``remat.backend`` is handed dynamo's graph, not the call: no input names to give."""
+    import re
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(32, 32), nn.Tanh())])
+    backend = remat.backend(budget="95%", time_limit=5)
+    torch.compile(model, backend=backend, dynamic=True)(torch.randn(256, 32)).sum().backward()
+    summary = backend.shapes.summary()
+    assert re.fullmatch(r"size (s\d+)=256  schedule 1 \(solved at size \1=256\): .* KiB", summary), \
+        summary
