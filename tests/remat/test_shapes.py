@@ -301,7 +301,7 @@ class _DictMLP(nn.Module):
 
 def test_summary_and_warnings_name_sizes_by_input_and_axis():
     torch.manual_seed(0)
-    rm = remat.rematerialize(_DictMLP(), {"x": torch.randn(64, 16, 32)}, budget=800_000,
+    rm = remat.rematerialize(_DictMLP(), {"x": torch.randn(64, 16, 32)}, budget="800000B",
                              time_limit=5)
     rm({"x": torch.randn(32, 16, 32)}).sum().backward()  # fits as it is: runs eagerly
     with pytest.warns(UserWarning) as record:  # cannot fit this budget
