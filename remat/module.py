@@ -33,6 +33,7 @@ from .dynamo_backend import DEFAULT_SOLVER, RematBackend
 from .budget import Budget
 from .cache import PlanCache
 from .devices import device_mismatch, step_device
+from .eager_only import EagerOnly, eager_only
 from .errors import CaptureError, RematError
 from .failures import add_note, capture_error, own_failure
 from .plan import Plan
@@ -279,7 +280,8 @@ class RematModule(nn.Module):
             size seen, the schedule it ran and its predicted peak.
     """
 
-    def __init__(self, module: nn.Module, backend: RematBackend) -> None:
+    def __init__(self, module: nn.Module, backend: RematBackend,
+                 eager: EagerOnly | None = None) -> None:
         super().__init__()
         self._modules.update(module._modules)
         self._parameters.update(module._parameters)
@@ -290,6 +292,8 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_remat_backend", backend)
         object.__setattr__(self, "_remat_slots", {})  # schedule entry (or None) -> compiled step
         object.__setattr__(self, "_remat_decisions", {})  # call key -> schedule entry
+        # NOTE [ A budget the eager step fits ]: the calls that run eagerly without a capture
+        object.__setattr__(self, "_remat_eager", eager)
         # NOTE [ Owning the compiled frames ]: dynamo also remembers every backend it was given
         # (for its reset); forget ours with the module so its graphs and plans are freed.
         weakref.finalize(self, _forget_backends, self._remat_slots)
@@ -301,7 +305,8 @@ class RematModule(nn.Module):
 
     @property
     def plans(self) -> list[Plan]:
-        return list(self._remat_backend.plans)
+        eager = self._remat_eager
+        return ([] if eager is None else [eager.plan]) + list(self._remat_backend.plans)
 
     @property
     def graphs(self) -> list:
@@ -315,7 +320,7 @@ class RematModule(nn.Module):
 
     @property
     def plan(self) -> Plan:
-        plans = self._remat_backend.plans
+        plans = self.plans
         if not plans:
             raise RuntimeError("no plan yet: call the module once with gradients enabled")
         return plans[0]
@@ -393,9 +398,14 @@ class RematModule(nn.Module):
         if not torch.is_grad_enabled():
             return self._remat_original(*args, **kwargs)
         leaves, key = _flatten(args, kwargs)
+        backend = self._remat_backend
+        eager_only = self._remat_eager
+        if eager_only is not None and not backend.shapes.families:
+            if eager_only.covers(key[0], leaves):  # NOTE [ A budget the eager step fits ]
+                return self._remat_original(*args, **kwargs)
+            self._measure_before_capture(args, kwargs)
         key = (self.training, key)
         decisions = self._remat_decisions
-        backend = self._remat_backend
         try:
             entry = decisions[key] if key in decisions else self._decide(leaves)
             eager = entry is not None and backend.shapes.entries[entry].eager
@@ -425,6 +435,27 @@ class RematModule(nn.Module):
                 slots[entry] = (compiled, slot_backend, code)
         decisions.setdefault(key, entry)
         return out
+
+    def _measure_before_capture(self, args: tuple, kwargs: dict) -> None:
+        """NOTE [ A budget the eager step fits ]: a batch larger than the example is captured
+        now; its eager step is measured first, as the example's was (the rest of the step is
+        charged in proportion)."""
+        from torch.utils._pytree import tree_flatten
+
+        backend = self._remat_backend
+        sizes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, torch.Tensor)]
+        warnings.warn(
+            f"remat: a batch larger than the example (tensor shapes {sizes}) needs a schedule; "
+            f"the example's eager step fit the budget {backend.budget}, so nothing was captured "
+            "then: capturing, profiling and solving now, inside this step, which may peak above "
+            "the budget. Pass your largest batch as the example to do this at setup.",
+            stacklevel=3)
+        if torch._C._autograd._profiler_enabled():
+            return  # track_memory cannot measure inside a profiler: the example's figures stay
+        eager, outside = backend.eager
+        now = _eager_step(self._remat_original, args, kwargs)[0]
+        backend.eager = (now, round(outside * now / max(eager, 1)))
 
     def capture(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile and solve for these inputs without changing any state (buffers, RNG)."""
@@ -585,6 +616,11 @@ def rematerialize(
     step_device(module, example_args, example_kwargs)  # NOTE [ Devices remat can run on ]
     backend.eager = _eager_reference(module, example_args, example_kwargs, eager_peak_bytes,
                                      step_peak_bytes)
+    leaves, (spec, _) = _flatten(example_args, example_kwargs)
+    eager = eager_only(backend.budget, solver, backend.eager, spec, leaves)
+    if eager is not None:  # NOTE [ A budget the eager step fits ]
+        backend.pin(eager.plan)
+        return RematModule(module, backend, eager)
     rm = RematModule(module, backend)
     plan = rm.capture(*example_args, **example_kwargs)
     rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]

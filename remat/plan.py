@@ -28,7 +28,8 @@ class Plan:
             than eager's (a Mamba-style scan), on GPTs from 12% faster to 3% slower
             (``python -m benchmarks.remat_solvers scale``, columns ``runtime``/``recompute``).
         solver: Solver name.
-        status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``; ``"over_budget"`` for a later
+        status: ``"optimal"``, ``"feasible"`` or ``"time_limit"``; ``"eager"`` when the budget
+            covers the eager step and nothing was captured; ``"over_budget"`` for a later
             input shape that could not fit (its lowest-peak schedule runs, with a warning).
         solve_time_s: Seconds spent solving.
         lower_bound_bytes: No schedule can have a lower peak than this.
@@ -114,6 +115,10 @@ class Plan:
             ("ops / recomputed", f"{self.num_ops} / {self.num_recomputed}"),
             ("solve time", f"{self.solve_time_s:.2f} s"),
         ]
+        if self.status == "eager":  # NOTE [ A budget the eager step fits ]: nothing captured
+            rows = [row for row in rows if row[0] in ("solver", "schedule", "budget",
+                                                      "eager step peak (measured)")]
+            rows.append(("predicted peak", "the eager step's, measured"))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
         if self.detail:

@@ -357,11 +357,14 @@ class ShapePlans:
         fitting = [(sim.time, e, sim) for sim, e in priced
                    if self._fits(family, sizes, sim.peak_bytes, budget_bytes)]
         if fitting:
-            _, entry, sim = min(fitting, key=lambda t: (t[0], t[1]))
+            # At equal time (a solved schedule that recomputes nothing) the eager step wins:
+            # the compiled unmodified step can need more memory than eager's.
+            rank = lambda t: (t[0], not self.entries[t[1]].eager, t[1])  # noqa: E731
+            _, entry, sim = min(fitting, key=rank)
             # NOTE [ A schedule in use is worth a little time ]
             in_use = [f for f in fitting if f[1] in self.in_use]
             if in_use:
-                best_used = min(in_use, key=lambda t: (t[0], t[1]))
+                best_used = min(in_use, key=rank)
                 if best_used[0] <= sim.time * (1 + _IN_USE_MARGIN):
                     _, entry, sim = best_used
             choice = Choice(entry, sizes, sim.peak_bytes, sim.time, True)

@@ -10,6 +10,8 @@ the module was not charged (a loss head outside it).
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -227,3 +229,47 @@ def test_the_users_checkpointing_is_a_candidate_never_discarded():
     solved = remat.rematerialize(model, *args, budget="100%", time_limit=10,
                                  step_peak_bytes=eager_peak).plan
     assert solved.predicted_overhead <= users.predicted_overhead
+
+
+def test_a_budget_the_eager_step_fits_captures_nothing():
+    """NOTE [ A budget the eager step fits ]: at 3x the eager step's peak in bytes the module runs
+    as it is (no dynamo frame compiled, no plan solved): the measured step equals eager's, bit
+    for bit; a smaller batch too; the first larger batch is announced before it is captured,
+    and runs within the budget."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = transformer_encoder()
+    model.train()
+    eager_peak = _step(model, args, kwargs, loss_of)
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    counters.clear()
+    rm = remat.rematerialize(model, *args, budget=f"{3 * eager_peak}B", step_peak_bytes=eager_peak)
+    assert rm.plan.status == "eager" and rm.plan.fingerprint == "eager" and rm.graphs == []
+    assert rm.plan.eager_bytes + rm.plan.outside_bytes == eager_peak
+    assert "300.0% of the eager step" in rm.plan.summary()
+    assert _step(rm, args, kwargs, loss_of) <= eager_peak * 1.01
+    for p, g in zip(model.parameters(), eager_grads):
+        assert torch.equal(p.grad, g)
+    (x,) = args
+    assert _step(rm, (x[:4, :32],), {}, loss_of) < eager_peak
+    assert counters["stats"]["unique_graphs"] == 0  # nothing was compiled
+    bigger = torch.randn(8, 192, 64)
+    with pytest.warns(UserWarning, match=r"a batch larger than the example \(tensor shapes "
+                                         r"\[\(8, 192, 64\)\]\) needs a schedule"):
+        rm(bigger).pow(2).mean().backward()
+    assert len(rm.graphs) == 1 and rm.plans[0].status == "eager"
+    assert _step(rm, (bigger,), {}, loss_of) <= 3 * eager_peak
+
+
+def test_a_full_budget_runs_every_batch_eagerly():
+    """``"100%"`` follows the run's largest eager peak, which every eager step fits."""
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = transformer_encoder()
+    model.train()
+    rm = remat.rematerialize(model, *args, budget="100%")
+    assert rm.plan.status == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no capture announced for a larger batch
+        _step(rm, (torch.randn(8, 192, 64),), {}, loss_of)
+    assert rm.graphs == [] and len(rm.plans) == 1
