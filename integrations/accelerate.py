@@ -221,8 +221,9 @@ class HiRematePlugin:
         if set(given) <= {"HIREMATE_CACHE_DIR"}:
             return None
         if "HIREMATE_BUDGET" not in given:
+            options = sorted(set(given) - {"HIREMATE_CACHE_DIR"})
             raise ValueError(
-                f"{', '.join(sorted(given))} is set but HIREMATE_BUDGET is not: set e.g. "
+                f"{', '.join(options)} is set but HIREMATE_BUDGET is not: set e.g. "
                 "HIREMATE_BUDGET=70% to turn rematerialization on, or unset the other variables"
             )
         kwargs: dict[str, Any] = {}

@@ -87,7 +87,7 @@ class InfeasibleBudgetError(RematError):
         if reachable and pct <= 100:
             self.advised_budget: str | None = f"{pct}%"
             advice = (f"the lowest peak reached is {format_bytes(best_bytes)}: raise the budget "
-                      f'to "{pct}%" (or {int(best_bytes + outside_bytes)} bytes), or shrink the '
+                      f'to "{pct}%" (or "{int(best_bytes + outside_bytes)}B"), or shrink the '
                       "batch")
         else:
             self.advised_budget = None

@@ -13,14 +13,19 @@ def _no_default_plan_cache():
     default. Tests (and the processes they start) solve for themselves instead of reading each
     other's plans or the developer's; tests of the default cache point it at a directory."""
     import os
+    import tempfile
 
-    before = os.environ.get("HIREMATE_CACHE_DIR")
-    os.environ["HIREMATE_CACHE_DIR"] = "off"
-    yield
-    if before is None:
-        del os.environ["HIREMATE_CACHE_DIR"]
-    else:
-        os.environ["HIREMATE_CACHE_DIR"] = before
+    names = ("HIREMATE_CACHE_DIR", "XDG_CACHE_HOME")
+    before = {name: os.environ.get(name) for name in names}
+    with tempfile.TemporaryDirectory(prefix="hiremate-tests-cache-") as home:
+        os.environ["HIREMATE_CACHE_DIR"] = "off"
+        os.environ["XDG_CACHE_HOME"] = home  # where a test that unsets it writes, not ~/.cache
+        yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -104,6 +104,7 @@ def _isolated(one_thread, monkeypatch):
     """No HIREMATE_* from the caller, a fresh Accelerate state, the script's module forgotten."""
     for name in [k for k in os.environ if k.startswith("HIREMATE_")]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("HIREMATE_CACHE_DIR", "off")  # no plans from the user's cache directory
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

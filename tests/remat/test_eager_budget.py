@@ -273,3 +273,37 @@ def test_a_full_budget_runs_every_batch_eagerly():
         warnings.simplefilter("error")  # no capture announced for a larger batch
         _step(rm, (torch.randn(8, 192, 64),), {}, loss_of)
     assert rm.graphs == [] and len(rm.plans) == 1
+
+
+def test_a_loss_outside_the_module_is_named_before_training():
+    """NOTE [ The loss outside the module ]: through the plain API a module whose outputs feed a
+    loss outside it gets a warning naming what to pass; given the whole step, or a module that
+    returns its own loss, it does not."""
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = tied_lm()
+    model.train()
+    with pytest.warns(UserWarning, match=r"TiedLM returns 2\.00 MiB of outputs .* "
+                                         r"step_peak_bytes=m\.peak_bytes"):
+        remat.rematerialize(model, *args, budget="70%", time_limit=10)
+    step = _step(model, args, kwargs, loss_of)
+    gpt2, _, hf_kwargs, _ = hf_gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        remat.rematerialize(model, *args, budget="70%", time_limit=10, step_peak_bytes=step)
+        remat.rematerialize(gpt2.train(), budget="70%", time_limit=10, **hf_kwargs)
+
+
+def test_what_the_step_drops_is_credited_at_each_batchs_own_size():
+    """NOTE [ Budgets over many sizes ]: a percentage is of the run's largest step, and the
+    memory the rest of the step adds or (here) takes away is counted at the batch's own sizes:
+    a credit measured at the largest batch, given to a smaller one, put its step over the
+    budget."""
+    from remat.budget import Reference
+
+    budget = remat.parse_budget("50%")
+    ref = Reference(eager_bytes=200, outside_bytes=-20, compiled_bytes=100)  # at the example
+    largest, small = 100, 40  # unmodified peaks of the run's largest batch and of a small one
+    module_bytes = budget.resolve(small, ref, of_bytes=largest)
+    step_at_small = module_bytes + ref.at(small)[1]  # the step the user measures at that batch
+    assert step_at_small == 0.5 * ref.at(largest)[0]  # half the run's step, not more
+    assert module_bytes == 90 + 8  # the old credit, taken at the largest batch: 90 + 20

@@ -223,7 +223,9 @@ def test_a_user_error_met_by_the_capture_keeps_its_type_with_a_note():
 
 
 def _caught_at_a_new_shape(model, example, bad):
-    rm = remat.rematerialize(model, example, budget="100%")
+    # solver "none": captured although the eager step fits "100%" (NOTE [ A budget the eager
+    # step fits ]; a call run eagerly raises the model's error as it is, with no note)
+    rm = remat.rematerialize(model, example, budget="100%", solver="none")
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
     try:

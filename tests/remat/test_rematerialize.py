@@ -267,7 +267,7 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
     def build(act):
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), act(),
-                                                         torch.nn.Linear(256, 64)) for _ in range(2)])
+                                                         torch.nn.Linear(256, 64)) for _ in range(6)])
 
     x = torch.randn(256, 64)
     saved = {}
@@ -276,7 +276,7 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
         graph = remat.rematerialize(build(act), x, budget="1TiB", solver="none").graphs[0]
         saved[name] = simulate(graph, save_all_schedule(graph)).saved_bytes
     # Each GELU input (256 x 256 fp32) is replaced by 2-bit codes: 16 KiB instead of 256 KiB.
-    assert saved["exact"] - saved["fewbit"] == 2 * (256 * 256 * 4 - 256 * 256 // 4)
+    assert saved["exact"] - saved["fewbit"] == 6 * (256 * 256 * 4 - 256 * 256 // 4)
     torch._dynamo.reset()
     ref = build(lambda: FewBitGELU(bits=2))
     model = build(lambda: FewBitGELU(bits=2))
@@ -284,7 +284,10 @@ def test_few_bit_activations_are_saved_as_codes_and_stay_exact():
                                 solver="none").graphs[0]
     base = simulate(graph, save_all_schedule(graph)).peak_bytes
     torch._dynamo.reset()
-    rm = remat.rematerialize(model, x, budget=f"{int(0.92 * base)}B", time_limit=TIME_LIMIT)
+    # below the eager step too (a budget the eager step fits would run it as it is)
+    eager = remat.measure_eager_step(build(lambda: FewBitGELU(bits=2)), x)
+    rm = remat.rematerialize(model, x, budget=f"{int(0.92 * min(base, eager))}B",
+                             time_limit=TIME_LIMIT)
     assert rm.plan.num_recomputed > 0
     step(ref, (x,))
     step(rm, (x,))
@@ -468,7 +471,7 @@ def _handed_to_backward(loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError("no compiled step in the autograd graph")
 
 
-@pytest.mark.parametrize("budget", [f"{1 << 62}B", 0.5])
+@pytest.mark.parametrize("budget", ["none", 0.5])
 def test_backward_is_handed_storages_not_views(budget):
     """NOTE [ Save storages, not views ]: each storage reaches backward once, as one tensor
     (the input ``x`` itself, not its six slices), and the gradients are eager's."""
@@ -477,7 +480,10 @@ def test_backward_is_handed_storages_not_views(budget):
     step(model, (x,))
     expected = grads(model)
     model.zero_grad(set_to_none=True)
-    rm = remat.rematerialize(model, x, budget=budget, options={"progress": False})
+    # "none": the captured step saving everything (a budget the eager step fits runs eagerly)
+    rm = remat.rematerialize(model, x, budget="100%" if budget == "none" else budget,
+                             solver="none" if budget == "none" else remat.DEFAULT_SOLVER,
+                             options={"progress": False})
     model.zero_grad(set_to_none=True)
     torch.manual_seed(123)
     loss = rm(x)
