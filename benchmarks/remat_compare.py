@@ -15,6 +15,9 @@ PyTorch measured in the same run. Methods:
   ``torch._functorch.config.activation_memory_budget = B`` (PyTorch's own budgeted partitioner);
 * ``remat(B)``              — ``remat.rematerialize(model, batch, budget=B)``.
 
+Each method's setup (seconds until its first step ended: remat's measurement, capture,
+profiling, solve and compile, ``torch.compile``'s first call) is printed beside it.
+
 Gradients of every method are compared with eager's (max abs difference); a legend under the
 table defines every column and explains any difference. Not a test: it never fails on times; the
 numbers go in the issue notes.
@@ -47,6 +50,7 @@ class Row:
     step_s: float
     grad_diff: float
     note: str = ""
+    setup_s: float = float("nan")  # until the first step ended: capture, solve, compile, step
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn.Module]]:
@@ -143,7 +147,9 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    start = time.perf_counter()
     run().backward()  # warm-up (compiles / solves)
+    first_step = time.perf_counter() - start
     for p in params:
         p.grad = None
     gc.collect()
@@ -155,7 +161,7 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
     diff = 0.0
     if ref_grads is not None:
         diff = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
-    return Row(name, mem.peak_bytes, step_s, diff, note), grads
+    return Row(name, mem.peak_bytes, step_s, diff, note, first_step), grads
 
 
 # glibc's mallopt parameters (malloc.h): return freed memory to the system only above this much
@@ -282,11 +288,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
             add(f"torch.compile(budget={frac:g})", m, run)
         m = copy.deepcopy(model)
+        start = time.perf_counter()
         try:
             # The loss is outside the module: the budget is of the whole eager step measured
-            # above (NOTE [ A budget is what the user measures ]).
+            # above (NOTE [ A budget is what the user measures ]). No plan cache: every run
+            # solves, so that the setup column is what a first run costs.
             rm = remat.rematerialize(m, *batch, budget=f"{b:g}%", solver=args.solver,
-                                     time_limit=args.time_limit, step_peak_bytes=eager_row.peak)
+                                     time_limit=args.time_limit, step_peak_bytes=eager_row.peak,
+                                     cache=False)
         except remat.RematError as e:
             contenders.append((Row(f"remat({b:g}%)", 0, float("nan"), float("nan"),
                                    f"error: {e}"[:90]), None, None))
@@ -298,7 +307,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 f"{plan.baseline_bytes / max(plan.eager_bytes, 1):.3f}), predicted time "
                 f"+{100 * plan.predicted_overhead:.0f}%, solved in {plan.solve_time_s:.1f} s "
                 f"({status.get(plan.status, plan.status)})")
+        setup = time.perf_counter() - start
         row = add(f"remat({b:g}%)", m, lambda rm=rm: loss_of(rm(*batch)), note)
+        row.setup_s += setup
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
     timed = [(row, module, run) for row, module, run in contenders if run is not None]
     medians = alternate_steps([(module, run) for _, module, run in timed], args.steps, dev)
@@ -319,10 +330,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
 def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
     """The table, then a legend that defines each column and explains every difference."""
     lines = [f"{'method':<28}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}"
-             f"{'grad diff':>11}  notes"]
+             f"{'setup s':>9}{'grad diff':>11}  notes"]
     for r in rows:
         lines.append(f"{r.method:<28}{r.peak / 2**20:>10.2f}{r.peak / eager.peak:>12.3f}"
-                     f"{r.step_s / eager.step_s:>12.3f}{r.grad_diff:>11.2e}  {r.note}")
+                     f"{r.step_s / eager.step_s:>12.3f}{r.setup_s:>9.1f}{r.grad_diff:>11.2e}"
+                     f"  {r.note}")
     lines += [
         "",
         "peak MiB:   measured peak of the bytes one training step allocates (forward, loss, "
@@ -330,6 +342,10 @@ def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
         "            the CPU allocator's events or the CUDA allocator: remat.track_memory)",
         "peak/eager, time/eager: that peak and the median step time over eager PyTorch's, "
         "this run",
+        "setup s:    seconds from handing the model to the method until its first training "
+        "step ended",
+        "            (remat: eager measurement, capture, profile, solve, compile; torch.compile: "
+        "its first call)",
         "grad diff:  largest absolute difference of any parameter gradient from eager's",
         "checkpoint(N blocks): torch.utils.checkpoint (non-reentrant) around each of N blocks",
         "torch.compile(budget=B): torch.compile(backend='aot_eager') with "
