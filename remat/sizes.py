@@ -180,6 +180,9 @@ class Family:
     key: str
     sized: SizedGraph
     budget_bytes: int  # the budget the family was first solved with
+    # Never less than this (NOTE [ Budgets over many sizes ]): a specialisation (a size of 1)
+    # is solved for the run's budget in bytes, not for a share of its own smaller peak.
+    floor_bytes: int = 0
     max_baseline: int = 0  # largest unmodified-step peak seen (NOTE [ Budgets over many sizes ])
     input_dims: tuple[tuple[int, int] | None, ...] = ()  # per symbol: (input leaf, dimension)
     dim_names: tuple[str | None, ...] = ()  # per symbol: ``input_ids[1]`` (NOTE [ Naming sizes ])
@@ -252,8 +255,11 @@ class ShapePlans:
         ``input_dims`` and ``dim_names`` give, per size symbol, the input dimension it is
         (``(leaf index, axis)``) and its name (``"input_ids[1]"``), ``None`` where unknown.
         """
-        family = Family(key, sized, plan.budget_bytes, plan.baseline_bytes, tuple(input_dims),
-                        tuple(dim_names))
+        # Solved against the measured eager step, a family's budget follows its own sizes; a
+        # specialisation solved without it (``reference=None``: the run's bytes) keeps those.
+        floor = 0 if self.reference is not None and plan.eager_bytes else plan.budget_bytes
+        family = Family(key, sized, plan.budget_bytes, floor, plan.baseline_bytes,
+                        tuple(input_dims), tuple(dim_names))
         self.families[key] = family
         family.solved_at.add(sized.sizes)
         first = self._add(family, schedule, plan, f"solved at {self.describe(family, sized.sizes)}",
@@ -331,7 +337,8 @@ class ShapePlans:
         if self.budget.bytes is not None:
             return self.budget.resolve(baseline, self.reference)
         family.max_baseline = max(family.max_baseline, baseline)
-        return self.budget.resolve(baseline, self.reference, of_bytes=family.max_baseline)
+        return max(family.floor_bytes,
+                   self.budget.resolve(baseline, self.reference, of_bytes=family.max_baseline))
 
     def _fraction_budget(self, family: Family) -> int:
         return max(family.budget_bytes, self.budget.resolve(family.max_baseline, self.reference))
@@ -357,9 +364,11 @@ class ShapePlans:
         fitting = [(sim.time, e, sim) for sim, e in priced
                    if self._fits(family, sizes, sim.peak_bytes, budget_bytes)]
         if fitting:
-            # At equal time (a solved schedule that recomputes nothing) the eager step wins:
-            # the compiled unmodified step can need more memory than eager's.
-            rank = lambda t: (t[0], not self.entries[t[1]].eager, t[1])  # noqa: E731
+            def rank(t: tuple) -> tuple:
+                # At equal time (a solved schedule that recomputes nothing) the eager step
+                # wins: the compiled unmodified step can need more memory than eager's.
+                return t[0], not self.entries[t[1]].eager, t[1]
+
             _, entry, sim = min(fitting, key=rank)
             # NOTE [ A schedule in use is worth a little time ]
             in_use = [f for f in fitting if f[1] in self.in_use]

@@ -56,12 +56,14 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
 
     # The single-shape setup this is compared with: the same model and example, one shape.
     t0 = time.perf_counter()
-    remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example, budget="65%",
+    # 62% of the eager step as a user measures it (model(**batch).loss.backward(), the logits
+    # dropped) is the 65% of the step measured with the logits held this test was sized at.
+    remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example, budget="62%",
                         time_limit=TIME_LIMIT)
     single_setup = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    rm = remat.rematerialize(model, input_ids=example, labels=example, budget="65%",
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget="62%",
                              time_limit=TIME_LIMIT)
     setup = time.perf_counter() - t0
     steps = shapes(40)
