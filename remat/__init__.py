@@ -19,7 +19,8 @@ from .estimate import MemoryReport, estimate
 from .errors import CaptureError, InfeasibleBudgetError, RematError, ScheduleError, SolverError
 from .graph import Op, Phase, RematGraph, Value, ValueKind
 from .memory import MemoryTracker, track_memory
-from .module import RematModule, measure_eager_step, rematerialize
+from .eager_step import measure_eager_step
+from .module import RematModule, rematerialize
 from .plan import Plan
 from .schedule import Schedule, Simulation, simulate
 from .settings import check_time_limit

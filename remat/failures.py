@@ -74,7 +74,7 @@ def capture_error(exc: BaseException) -> RematError:
 # side effects of ``forward`` other than buffers and RNG (a counter, a hook's list) run once more,
 # and an error only a forward with gradients would raise is not seen (it stays a CaptureError).
 # An out-of-memory error in the re-run says nothing about the model: the remat failure stands.
-# The example call's step is measured eagerly before any capture (``_eager_reference``), so there
+# The example call's step is measured eagerly before any capture (``remat.eager_step.eager_reference``), so there
 # the user's exception comes straight from the model, and gets a note too.
 
 
