@@ -129,6 +129,43 @@ def test_a_later_larger_batch_is_rematerialized_not_run_unmodified():
     assert mem.peak_bytes <= 0.65 * baseline + LOSS_SLACK_BYTES
 
 
+def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_size(monkeypatch):
+    """NOTE [ A bucket solved for its batch ]: the bucket's first schedule is made to miss the
+    batch that asked (solved 40% looser, as a solver's pick among near-equal schedules can);
+    the bucket is solved once more, tighter, and that schedule covers the longer batches."""
+    import remat.planner
+
+    model = tiny_gpt2()
+    example = torch.randint(96, (2, 40))
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget="65%",
+                             time_limit=TIME_LIMIT)
+    solved = []
+    real = remat.planner.plan_graph
+
+    def loose_first(graph, budget, **kw):
+        if not solved:
+            budget = remat.Budget(bytes=int(budget.bytes * 1.4), text="loosened")
+        solved.append(budget.bytes)
+        return real(graph, budget, **kw)
+
+    monkeypatch.setattr(remat.planner, "plan_graph", loose_first)
+    family = rm.shapes.families[first_family(rm)]
+    for length in (200, 230, 250):
+        ids = torch.randint(96, (2, length))
+        with remat.track_memory() as mem:
+            rm(input_ids=ids, labels=ids).loss.backward()
+        choice = rm.shapes.choose(family.key, (2, length))
+        budget = rm.shapes.budget_at(family, (2, length))
+        if length == 200:
+            # The loosened schedule indeed misses the batch (else this test tests nothing).
+            assert rm.shapes.price(family, len(rm.shapes.entries) - 2, (2, 200)).peak_bytes \
+                * 1.01 > budget
+        assert choice.fits and mem.peak_bytes <= budget + LOSS_SLACK_BYTES, length
+    labels = [e.label for e in rm.shapes.entries if e.plan is not None]
+    assert labels[1:] == ["solved at input_ids[0]=2, input_ids[1]=256"] * 2, labels
+    assert len(solved) == 2 and solved[1] < solved[0] / 1.4, solved
+
+
 def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     """NOTE [ The unmodified step runs eagerly ]: a batch whose unmodified step fits the budget
     runs the model's own step, with no capture of its own, and measures within the budget."""
