@@ -11,6 +11,7 @@ semantics are PyTorch's.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import logging
 import warnings
 from typing import Any, Callable, Sequence
@@ -22,7 +23,7 @@ from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
-from .costs import measure_op_times, model_op_times
+from .costs import measure_op_times, model_op_times, priced_like
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
@@ -159,7 +160,10 @@ class RematBackend:
         # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
         # cached schedule against the budget) need the measured scratch memory.
         primals = self._primals(gm, real_inputs, joint)
-        if self.measure and primals is not None:
+        priced_from = self._too_big_to_measure(lowered.graph)
+        if priced_from:  # NOTE [ Pricing a graph without running it ]
+            graph = lowered.graph.with_times(*priced_like(lowered.graph, priced_from))
+        elif self.measure and primals is not None:
             graph = lowered.graph.with_times(*measure_op_times(lowered, joint, primals))
         else:
             graph = lowered.graph.with_times(model_op_times(lowered))
@@ -196,8 +200,25 @@ class RematBackend:
                     solver=self.solver, status="crashed") from exc
             if self.cache is not None:
                 self.cache.put(cache_key, schedule, plan)
+        if priced_from:
+            plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
+                           "op times priced from the sizes measured before")
         sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
         return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
+
+    def _too_big_to_measure(self, graph: RematGraph) -> list[RematGraph]:
+        """The graphs measured before, to price ``graph`` from, when measuring it would run
+        an unmodified step over the run's budget (a later size family); else ``[]``."""
+        run_bytes = self.shapes.run_budget_bytes() if self.lenient and self.measure else None
+        if run_bytes is None:
+            return []
+        unmodified = simulate(graph, save_all_schedule(graph)).peak_bytes
+        if unmodified <= run_bytes:
+            return []
+        log.info("remat: a new size family is priced from the sizes measured before: measuring "
+                 "it would run its unmodified step, %s, over the budget %s",
+                 format_bytes(unmodified), format_bytes(run_bytes))
+        return [f.sized.graph for f in self.shapes.families.values()]
 
     def pin(self, plan: Plan) -> None:
         """After the example call: a graph that cannot fit the budget later runs with its

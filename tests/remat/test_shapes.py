@@ -166,6 +166,35 @@ def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_s
     assert len(solved) == 2 and solved[1] < solved[0] / 1.4, solved
 
 
+def test_a_new_size_family_over_the_budget_is_priced_not_run_unmodified():
+    """NOTE [ Pricing a graph without running it ]: a batch of size 1 is dynamo's own graph,
+    captured in the step that meets it; measuring its ops ran its unmodified step inside that
+    step (1.05x the eager step's peak under a budget of 0.7x). Priced from the example's ops,
+    the step keeps the budget, and its gradients are eager's."""
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    one = torch.randint(96, (1, 512))
+    with remat.track_memory() as eager:
+        ref(input_ids=one, labels=one).loss.backward()
+    budget = int(0.7 * eager.peak_bytes)
+    example = torch.randint(96, (4, 256))
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
+                             time_limit=TIME_LIMIT)
+    for p in ref.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    ref(input_ids=one, labels=one).loss.backward()
+    torch.manual_seed(1)
+    with remat.track_memory() as mem:
+        rm(input_ids=one, labels=one).loss.backward()
+    assert mem.peak_bytes <= budget + LOSS_SLACK_BYTES, (mem.peak_bytes, budget)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert len(rm.shapes.families) == 2
+    assert rm.plans[-1].detail.endswith("op times priced from the sizes measured before")
+    assert rm.plans[-1].predicted_peak_bytes <= budget
+
+
 def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     """NOTE [ The unmodified step runs eagerly ]: a batch whose unmodified step fits the budget
     runs the model's own step, with no capture of its own, and measures within the budget."""
