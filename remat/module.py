@@ -284,18 +284,21 @@ class RematModule(nn.Module):
                                           isolate_recompiles=True), slot_backend, step.__code__)
         return slots[entry][0]
 
-    def _decide(self, leaves: list[Any]) -> int | None:
-        """Which schedule a call with these inputs runs (NOTE [ Shape-generic plans ])."""
+    def _decide(self, leaves: list[Any]) -> tuple[int | None, bool]:
+        """Which schedule a call with these inputs runs (NOTE [ Shape-generic plans ]), and
+        whether that is settled: an over-budget choice is not (NOTE [ An over-budget choice is
+        revisited ] in :mod:`remat.sizes`)."""
         backend = self._remat_backend
         shapes = backend.shapes
         first = next(iter(shapes.families.values()), None)
         if first is None:
-            return None
+            return None, True
         sizes = first.sizes_of(leaves)
         if sizes is None:
             log.debug("remat: cannot read this call's sizes from its inputs; compiling it anew")
-            return None
-        return shapes.choose(first.key, sizes).entry
+            return None, True
+        choice = shapes.choose(first.key, sizes)
+        return choice.entry, choice.settled
 
     def _run_compiled(self, entry: int | None, leaves: list[Any], args: tuple,
                       kwargs: dict) -> Any:
@@ -336,7 +339,7 @@ class RematModule(nn.Module):
         key = (self.training, key)
         decisions = self._remat_decisions
         try:
-            entry = decisions[key] if key in decisions else self._decide(leaves)
+            entry, settled = (decisions[key], True) if key in decisions else self._decide(leaves)
             eager = entry is not None and backend.shapes.entries[entry].eager
             out = None if eager else self._run_compiled(entry, leaves, args, kwargs)
         except RematError:
@@ -362,7 +365,8 @@ class RematModule(nn.Module):
                 slots[("auto", id(code))] = (compiled, slot_backend, code)
             else:
                 slots[entry] = (compiled, slot_backend, code)
-        decisions.setdefault(key, entry)
+        if settled:
+            decisions.setdefault(key, entry)
         return out
 
     def _measure_before_capture(self, args: tuple, kwargs: dict) -> None:

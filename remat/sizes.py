@@ -171,6 +171,7 @@ class Entry:
     label: str
     graph: RematGraph | None = None  # the graph it was solved on (for inspection)
     eager: bool = False  # NOTE [ The unmodified step runs eagerly ]
+    fallback: bool = False  # the least-memory schedule (NOTE [ An over-budget choice is revisited ])
 
 
 @dataclass
@@ -219,6 +220,12 @@ class Choice:
     peak_bytes: int
     time: float
     fits: bool
+    fallback: bool = False  # the least-memory schedule, run as no solved one fits
+
+    @property
+    def settled(self) -> bool:
+        """Whether the choice is final (NOTE [ An over-budget choice is revisited ])."""
+        return self.fits and not self.fallback
 
 
 class ShapePlans:
@@ -242,6 +249,9 @@ class ShapePlans:
         # Entries some batch runs, and the unmodified steps that run eagerly (no compile).
         self.in_use: set[int] = set()
         self._warned: set[str] = set()
+        # Over-budget choices: (entries, budget bytes) when made (NOTE [ An over-budget choice
+        # is revisited ]).
+        self._over: dict[tuple, tuple[int, int]] = {}
         # What the user measures, set with the first graph (NOTE [ A budget is what the user
         # measures ]); None: budgets apply to the compiled step's own peak.
         self.reference: Reference | None = None
@@ -276,8 +286,9 @@ class ShapePlans:
         return first
 
     def _add(self, family: Family, schedule: Schedule, plan: Plan | None, label: str,
-             graph: RematGraph | None = None, *, eager: bool = False) -> int:
-        self.entries.append(Entry(family.key, schedule, plan, label, graph, eager))
+             graph: RematGraph | None = None, *, eager: bool = False,
+             fallback: bool = False) -> int:
+        self.entries.append(Entry(family.key, schedule, plan, label, graph, eager, fallback))
         family.entries.append(len(self.entries) - 1)
         return len(self.entries) - 1
 
@@ -356,9 +367,9 @@ class ShapePlans:
         """The schedule for a batch of ``sizes`` (solving one if needed)."""
         sizes = tuple(int(s) for s in sizes)
         found = self.choices.get((key, sizes))
-        if found is not None:
-            return found
         family = self.families[key]
+        if found is not None and (found.settled or not self._may_fit_now(family, sizes)):
+            return found
         budget_bytes = self.budget_at(family, sizes)
         priced = [(self.run_price(family, e, sizes), e) for e in family.entries]
         fitting = [(sim.time, e, sim) for sim, e in priced
@@ -376,12 +387,32 @@ class ShapePlans:
                 best_used = min(in_use, key=rank)
                 if best_used[0] <= sim.time * (1 + _IN_USE_MARGIN):
                     _, entry, sim = best_used
-            choice = Choice(entry, sizes, sim.peak_bytes, sim.time, True)
-        else:
+            choice = Choice(entry, sizes, sim.peak_bytes, sim.time, True,
+                            self.entries[entry].fallback)
+        if not fitting or (choice.fallback and self._top(family, sizes) not in family.solved_at):
             choice = self._solve_for(family, sizes, budget_bytes, priced)
         self.choices[(key, sizes)] = choice
         self.in_use.add(choice.entry)
+        if not choice.settled:
+            self._over[(key, sizes)] = (len(self.entries), budget_bytes)
         return choice
+
+    def _may_fit_now(self, family: Family, sizes: tuple[int, ...]) -> bool:
+        """NOTE [ An over-budget choice is revisited ]
+        Sizes no solved schedule fits run the lowest-peak one, often the least-memory schedule
+        (recompute every value on demand), which can be many times slower than the step
+        (1.8-46x eager's time, ~9x typical, in the issue that found it). That choice was kept
+        for good, and later sizes the least-memory schedule fitted ran it too, without a solve
+        of their own and without a word. Now a batch the least-memory schedule fits is still
+        solved for at its bucket, the warning gives the predicted slowdown, and such a choice
+        is made again once the run has a schedule it has not priced, or a larger budget (a
+        fraction grows with the run's largest batch): one comparison per call of those sizes
+        until then."""
+        seen = self._over.get((family.key, sizes))
+        if seen is None:
+            return False
+        count, budget_bytes = seen
+        return len(self.entries) > count or self.budget_at(family, sizes) > budget_bytes
 
     @staticmethod
     def _fits(family: Family, sizes: tuple[int, ...], peak: int, budget_bytes: int) -> bool:
@@ -413,7 +444,7 @@ class ShapePlans:
         if lower <= budget_bytes:
             # The bucket, widened to every bucket solved for before (the envelope): each solve
             # then covers all sizes seen so far, and solves grow the envelope by powers of two.
-            top = tuple(max(b, s, e) for b, s, e in zip(bucket(sizes), sizes, family.envelope))
+            top = self._top(family, sizes)
             for target in dict.fromkeys((top, sizes)):  # the bucket first, then these sizes
                 if target in family.solved_at:
                     continue
@@ -437,21 +468,36 @@ class ShapePlans:
         fallback, sim_fb = least_memory_schedule(graph)
         best_sim, best = min(priced, key=lambda t: (t[0].peak_bytes, t[0].time))
         if sim_fb.peak_bytes < best_sim.peak_bytes:
-            best = self._add(family, fallback, None, "least memory (recompute on demand)")
+            best = self._add(family, fallback, None, "least memory (recompute on demand)",
+                             fallback=True)
             best_sim = self.price(family, best, sizes)
         fits = self._fits(family, sizes, best_sim.peak_bytes, budget_bytes)
-        if not fits:
-            where = self.describe(family, sizes)
-            if where not in self._warned:
-                self._warned.add(where)
-                warnings.warn(
-                    f"remat: no schedule fits the budget {format_bytes(budget_bytes)} for sizes "
-                    f"{where} (no schedule can go below {format_bytes(lower)} there); running "
-                    f"the lowest-peak schedule found, {format_bytes(best_sim.peak_bytes)}. Use a "
-                    "smaller batch or a larger budget for these sizes.",
-                    stacklevel=4,
-                )
-        return Choice(best, sizes, best_sim.peak_bytes, best_sim.time, fits)
+        choice = Choice(best, sizes, best_sim.peak_bytes, best_sim.time, fits,
+                        self.entries[best].fallback)
+        where = self.describe(family, sizes)
+        if not choice.settled and where not in self._warned:
+            self._warned.add(where)
+            unmodified = self.run_price(family, family.entries[1], sizes).time
+            slower = best_sim.time / unmodified if unmodified > 0 else float("nan")
+            why = (f"no solved schedule fits the budget {format_bytes(budget_bytes)} for sizes "
+                   f"{where}" if fits else
+                   f"no schedule fits the budget {format_bytes(budget_bytes)} for sizes {where} "
+                   f"(no schedule can go below {format_bytes(lower)} there)")
+            warnings.warn(
+                f"remat: {why}; running the lowest-peak schedule found, "
+                f"{format_bytes(best_sim.peak_bytes)}, predicted at {slower:.1f}x the "
+                "unmodified step's time at these sizes. It is chosen again if a later "
+                "schedule or a larger budget fits. Use a smaller batch or a larger budget for "
+                "these sizes.",
+                stacklevel=4,
+            )
+        return choice
+
+    @staticmethod
+    def _top(family: Family, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The bucket ``sizes`` are solved at: rounded up to powers of two, widened to every
+        bucket solved before (NOTE [ A bucket solved for its batch ])."""
+        return tuple(max(b, s, e) for b, s, e in zip(bucket(sizes), sizes, family.envelope))
 
     def _solve_at(self, family: Family, target: tuple[int, ...], target_bytes: int,
                   sizes: tuple[int, ...]) -> int | None:

@@ -195,6 +195,53 @@ def test_a_new_size_family_over_the_budget_is_priced_not_run_unmodified():
     assert rm.plans[-1].predicted_peak_bytes <= budget
 
 
+def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatch):
+    """NOTE [ An over-budget choice is revisited ]: a batch only the least-memory schedule
+    fits (its solves fail here by design) is warned about with its predicted slowdown, and runs
+    the schedule solved later for a longer batch once there is one."""
+    import remat.planner
+
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    example = torch.randint(96, (2, 160))
+    with remat.track_memory() as eager:
+        copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
+    budget = int(0.95 * eager.peak_bytes)
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
+                             time_limit=TIME_LIMIT)
+    real = remat.planner.plan_graph
+
+    def failing(graph, b, **kw):
+        raise remat.InfeasibleBudgetError(budget_bytes=b.bytes, lower_bound_bytes=0,
+                                          baseline_bytes=1, solver="test")
+
+    family = rm.shapes.families[first_family(rm)]
+    short, long = torch.randint(96, (2, 200)), torch.randint(96, (2, 260))
+    monkeypatch.setattr(remat.planner, "plan_graph", failing)
+    with pytest.warns(UserWarning, match=r"no solved schedule fits .* input_ids\[1\]=200; .*"
+                                         r"predicted at \d+\.\dx the unmodified step's time"):
+        rm(input_ids=short, labels=short).loss.backward()
+    fallback = rm.shapes.choices[(family.key, (2, 200))]
+    assert fallback.fallback and not fallback.settled
+    assert rm.shapes.entries[fallback.entry].label == "least memory (recompute on demand)"
+
+    monkeypatch.setattr(remat.planner, "plan_graph", real)
+    rm(input_ids=long, labels=long).loss.backward()  # solved: a new schedule
+    for p in [*ref.parameters(), *model.parameters()]:
+        p.grad = None
+    torch.manual_seed(3)
+    ref(input_ids=short, labels=short).loss.backward()
+    torch.manual_seed(3)
+    with remat.track_memory() as mem:
+        rm(input_ids=short, labels=short).loss.backward()
+    again = rm.shapes.choices[(family.key, (2, 200))]  # as the module chose, not asked again
+    assert again.settled and rm.shapes.entries[again.entry].plan is not None
+    assert again.time < fallback.time
+    assert mem.peak_bytes <= budget + LOSS_SLACK_BYTES
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     """NOTE [ The unmodified step runs eagerly ]: a batch whose unmodified step fits the budget
     runs the model's own step, with no capture of its own, and measures within the budget."""
