@@ -145,6 +145,34 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     return leaves, (str(spec), key)
 
 
+def _without_view_bases(args: tuple, kwargs: dict, leaves: list[Any]
+                        ) -> tuple[tuple, dict, list[Any]]:
+    """The call with its input views, that need no gradient, detached from their bases.
+
+    NOTE [ Views reach the capture without their base ]
+    Dynamo guards an input that is a view on its ``_base``, and the guard fails with an error
+    (``'NoneType' object has no attribute 'size'``) when a later input is not one: a batch cut
+    from a longer one (``ids[:, :n]``, a view even when it keeps every column) followed by a
+    freshly collated one recompiled the step, as a new graph structure: one more capture, and
+    one more solve in the step that met it (a 40-step dynamic-padding run under Lightning made 3
+    structures instead of 1). Such inputs (token ids, masks: nothing that needs a gradient)
+    reach the compiled step detached, the same storage without the base; one tensor passed
+    twice (``input_ids=batch, labels=batch``) stays one.
+    """
+    if not any(isinstance(x, torch.Tensor) and x._base is not None and not x.requires_grad
+               for x in leaves):
+        return args, kwargs, leaves
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat, spec = tree_flatten((args, kwargs))
+    plain: dict[int, torch.Tensor] = {}
+    for k, x in enumerate(flat):
+        if isinstance(x, torch.Tensor) and x._base is not None and not x.requires_grad:
+            flat[k] = plain.setdefault(id(x), x.detach())
+    args, kwargs = tree_unflatten(flat, spec)
+    return args, kwargs, flat
+
+
 def _leaf_names(module: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
     """A name for each leaf of the call ``module(*args, **kwargs)``, in :func:`_flatten`'s order.
 
@@ -305,6 +333,7 @@ class RematModule(nn.Module):
         """Run schedule ``entry``'s compiled step (compiling it on first use)."""
         backend = self._remat_backend
         step = self._slot(entry)
+        args, kwargs, leaves = _without_view_bases(args, kwargs, leaves)
         backend.current_leaves = leaves
         # NOTE [ Naming sizes ]: read only when the step is compiled
         backend.current_names = functools.partial(_leaf_names, self._remat_original, args, kwargs)

@@ -242,6 +242,35 @@ def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatc
         assert torch.equal(a.grad, b.grad)
 
 
+def test_views_and_fresh_batches_share_one_capture():
+    """NOTE [ Views reach the capture without their base ]: a batch cut from a longer one, then
+    collated ones, then a cut again: one graph structure, no recompilation, eager's gradients."""
+    from torch._dynamo.utils import counters
+
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    long = torch.randint(96, (4, 300), generator=gen)
+    batches = [long[:, :300], torch.randint(96, (4, 200), generator=gen), long[:, :150],
+               torch.randint(96, (3, 260), generator=gen)]
+    assert batches[0]._base is long and batches[1]._base is None
+    rm = remat.rematerialize(model, input_ids=batches[0], labels=batches[0], budget="65%",
+                             time_limit=TIME_LIMIT)
+    frames = counters["stats"]["unique_graphs"]
+    for k, ids in enumerate(batches):
+        for p in [*ref.parameters(), *model.parameters()]:
+            p.grad = None
+        torch.manual_seed(k)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        torch.manual_seed(k)
+        rm(input_ids=ids, labels=ids).loss.backward()
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), k
+    assert len(rm.shapes.families) == 1, rm.shapes.summary()
+    # Each further graph is a schedule's own compile (one per schedule in use), never a recompile.
+    assert counters["stats"]["unique_graphs"] - frames <= len(rm.shapes.in_use)
+
+
 def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     """NOTE [ The unmodified step runs eagerly ]: a batch whose unmodified step fits the budget
     runs the model's own step, with no capture of its own, and measures within the budget."""
