@@ -21,11 +21,10 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.fx as fx
 
-from .graph import RematGraph
 from .lowering import Lowered
 from .symbolic import hint
 
-__all__ = ["OpCosts", "measure_op_times", "model_op_times", "priced_like"]
+__all__ = ["OpCosts", "measure_op_times", "model_op_times"]
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +36,16 @@ _OP_OVERHEAD_S = 5.0e-6
 
 
 def _materialize(val: object) -> object:
+    """A real value for a fake one: ones (floats) or zeros (integers, which index anything),
+    with the fake tensor's strides, so an op reads it as it reads the real one."""
     if isinstance(val, torch.Tensor):
         shape = [hint(d) for d in val.shape]
-        return torch.ones(shape, dtype=val.dtype, device=val.device) if val.is_floating_point() \
-            else torch.zeros(shape, dtype=val.dtype, device=val.device)
+        try:
+            stride = [hint(d) for d in val.stride()]
+            out = torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
+        except (RuntimeError, TypeError):  # a layout without strides
+            out = torch.empty(shape, dtype=val.dtype, device=val.device)
+        return out.fill_(1) if val.is_floating_point() else out.zero_()
     if isinstance(val, torch.SymInt):
         return hint(val)
     return val
@@ -55,7 +60,8 @@ class OpCosts(NamedTuple):
 
 
 def measure_op_times(
-    lowered: Lowered, joint: fx.GraphModule, primals: Sequence[torch.Tensor], *, repeats: int = 3
+    lowered: Lowered, joint: fx.GraphModule, primals: Sequence[torch.Tensor], *, repeats: int = 3,
+    alone: bool = False,
 ) -> OpCosts:
     """Wall time (the fastest sample) and scratch memory of every op of ``lowered.graph`` on the real inputs.
 
@@ -68,6 +74,8 @@ def measure_op_times(
             the memory profiler warms caches and measures each op's workspace (bytes it
             allocates beyond its outputs, freed before it returns: see NOTE [ Measuring memory
             on CPU ]).
+        alone: Run each op on its own, on inputs made for it, instead of the unmodified step
+            (NOTE [ Measuring ops one at a time ]).
 
     Returns:
         Seconds, workspace bytes and seconds when re-run of every op, indexed like
@@ -108,6 +116,22 @@ def measure_op_times(
                 if last_use.get(arg) == index and arg.op != "placeholder":
                     env.pop(arg, None)
 
+    def run_alone(on_node) -> None:
+        # NOTE [ Measuring ops one at a time ]
+        for node in lowered.op_nodes:
+            def value(n: fx.Node) -> object:
+                if n in primal_index:
+                    return primals[primal_index[n]]
+                if n.op == "get_attr":
+                    return getattr(joint, str(n.target))
+                return _materialize(n.meta.get("val"))
+
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+            on_node(node, args, kwargs)
+            del args, kwargs
+
+    run = run_alone if alone else run_graph
+
     # NOTE [ Timing outside the tracer's dispatch ]: we are called while AOTAutograd traces,
     # with its fake mode and the Python dispatcher on. Left on, the dispatcher added ~18 us to
     # every op (a ``select`` timed 23 us, 4 us in a training step): a Mamba-style scan's 6,477
@@ -118,7 +142,7 @@ def measure_op_times(
         cuda = _cuda_device(primals)
         names = {node.name: i for node, i in op_index.items()}
         if cuda is not None:  # NOTE [ Measuring ops on CUDA ]
-            workspaces = _cuda_workspaces(run_graph, names, len(workspaces), cuda)
+            workspaces = _cuda_workspaces(run, names, len(workspaces), cuda)
         elif torch._C._autograd._profiler_enabled():
             # NOTE [ Capturing inside a profiler ]: a second profiler session would end the one
             # running (``track_memory`` around a capture would read 0): scratch memory is not
@@ -126,9 +150,9 @@ def measure_op_times(
             log.warning("remat: a torch.profiler session is running (e.g. track_memory around "
                         "the capture): op scratch memory is not measured; the predicted peak may "
                         "be a little low. Capture outside the profiler for exact predictions.")
-            run_graph(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
+            run(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
         else:
-            workspaces = _cpu_workspaces(run_graph, names, len(workspaces))
+            workspaces = _cpu_workspaces(run, names, len(workspaces))
 
         # On CUDA kernels are asynchronous: CUDA events instead of the wall clock.
         if cuda is None:
@@ -141,12 +165,27 @@ def measure_op_times(
         else:
             timed = _cuda_timer(op_index, samples)
         for _ in range(repeats):
-            run_graph(_keying(op_index, keys, timed))
+            run(_keying(op_index, keys, timed))
     times = _pooled_prices(samples, keys, faults)
     rerun_times = _pooled_prices(reruns, keys, rerun_faults)
     # an op never re-run (backward, random, on CUDA) costs its own time if it ever is
     return OpCosts(times, workspaces, [r if ran else t for r, t, ran in
                                        zip(rerun_times, times, map(bool, reruns))])
+
+
+# NOTE [ Measuring ops one at a time ]
+# Measuring runs the unmodified step, whose peak is the memory the budget is there to avoid. At
+# setup that is the user's example; inside a training step it was the out-of-memory error the
+# user came to avoid: a batch of size 1 (dynamo's own graph) of a 4-layer GPT-2 peaked at
+# 91.6 MiB under a 48 MiB budget, over the eager step's 84.6 MiB, and a Lightning run whose first
+# batch ran eagerly peaked at 1.48-1.57x its "3MiB"/"4MiB" budget in the step that captured the
+# next one. There each op runs on its own instead (``alone=True``): on the call's own inputs and
+# parameters, and on ones (floats) or zeros (integers) with the fake value's shape and strides
+# for everything computed, freed after the op. That needs one op's inputs, outputs and scratch at
+# a time, and measures what the step needs, at its sizes: the times, and the scratch memory that
+# the roofline model cannot know (SDPA's backward on CPU: 190 KiB of a 4.5 MiB step; without
+# it a schedule planned on modelled costs measured 1.007-1.022x its budget). Pricing from the
+# ops of an earlier size family was tried first: right for time, but no help to a first capture.
 
 
 # NOTE [ Ops that do the same work cost the same ]
@@ -438,50 +477,3 @@ def model_op_times(lowered: Lowered) -> list[float]:
         times.append(max(flops / _FLOPS_PER_S, nbytes / _BYTES_PER_S) + _OP_OVERHEAD_S)
     return times
 
-
-def _target(signature: str) -> str:
-    return signature.split("(", 1)[0]
-
-
-def _touched(graph: RematGraph, op) -> int:
-    return sum(graph.storage_bytes[v] for v in (*op.inputs, *op.outputs))
-
-
-def priced_like(graph: RematGraph, measured: Sequence[RematGraph]) -> OpCosts:
-    """Times and scratch memory of ``graph``'s ops from those of graphs measured before.
-
-    NOTE [ Pricing a graph without running it ]
-    Measuring runs the unmodified step, whose peak is the memory the budget is there to avoid:
-    a later batch of a new size family (dynamo's own graph for a size of 1, say) measured at
-    1 x 512 tokens of a 4-layer GPT-2 peaked at 91.6 MiB under a 48 MiB budget, over the eager
-    step's 84.6 MiB, in the step the user ran. Such a graph is priced instead from the ops of
-    the same target (``aten.mm.default``...) measured before, in seconds and scratch bytes per
-    byte the op reads and writes, as :meth:`remat.sizes.SizedGraph.at` re-prices an op at other
-    sizes; scratch takes the largest rate seen (memory is a promise, time an estimate), time
-    the pooled one. A target never measured costs the mean rate of every measured op, with no
-    scratch.
-    """
-    seconds: dict[str, list[float]] = {}
-    scratch: dict[str, float] = {}
-    total_s = total_bytes = 0.0
-    for old in measured:
-        for op in old.ops:
-            touched = _touched(old, op)
-            key = _target(op.signature)
-            pooled = seconds.setdefault(key, [0.0, 0.0])
-            pooled[0] += op.time
-            pooled[1] += touched
-            total_s += op.time
-            total_bytes += touched
-            if touched:
-                scratch[key] = max(scratch.get(key, 0.0), op.workspace / touched)
-    mean_rate = total_s / total_bytes if total_bytes else 0.0
-    times, workspaces = [], []
-    for op in graph.ops:
-        touched = _touched(graph, op)
-        key = _target(op.signature)
-        pooled = seconds.get(key)
-        rate = pooled[0] / pooled[1] if pooled and pooled[1] else mean_rate
-        times.append(rate * touched)
-        workspaces.append(int(scratch.get(key, 0.0) * touched))
-    return OpCosts(times, workspaces, list(times))

@@ -23,7 +23,7 @@ from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
-from .costs import measure_op_times, model_op_times, priced_like
+from .costs import measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
@@ -92,6 +92,9 @@ class RematBackend:
         # (eager_bytes, outside_bytes) of the example's eager step, measured by rematerialize
         # (NOTE [ A budget is what the user measures ]); None: fractions of the compiled step.
         self.eager: tuple[int, int] | None = None
+        # Per input leaf, its shape in the call :attr:`eager` was measured on, when that was
+        # not the call captured first (a smaller example run eagerly); ``None``: that call.
+        self.eager_shapes: list[tuple[int, ...] | None] | None = None
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -160,18 +163,20 @@ class RematBackend:
         # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
         # cached schedule against the budget) need the measured scratch memory.
         primals = self._primals(gm, real_inputs, joint)
-        priced_from = self._too_big_to_measure(lowered.graph)
-        if priced_from:  # NOTE [ Pricing a graph without running it ]
-            graph = lowered.graph.with_times(*priced_like(lowered.graph, priced_from))
-        elif self.measure and primals is not None:
-            graph = lowered.graph.with_times(*measure_op_times(lowered, joint, primals))
+        # NOTE [ Measuring ops one at a time ] where the unmodified step would not fit
+        alone = self._too_big_to_measure(lowered.graph)
+        if self.measure and primals is not None:
+            graph = lowered.graph.with_times(*measure_op_times(lowered, joint, primals,
+                                                               alone=alone))
         else:
             graph = lowered.graph.with_times(model_op_times(lowered))
         budget = self.budget
+        sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
         if not self.shapes.families and self.eager is not None:
             # NOTE [ A budget is what the user measures ]: the example's eager step, measured
             # by rematerialize, against the captured step's unmodified peak at the same sizes.
-            compiled = simulate(graph, save_all_schedule(graph)).peak_bytes
+            measured_at = self._eager_sizes(sizes, dims)
+            compiled = simulate(sized.at(measured_at), save_all_schedule(graph)).peak_bytes
             self.shapes.reference = Reference(*self.eager, compiled_bytes=compiled)
         reference = self.shapes.reference
         run_bytes = self.shapes.run_budget_bytes() if self.lenient else None
@@ -200,25 +205,41 @@ class RematBackend:
                     solver=self.solver, status="crashed") from exc
             if self.cache is not None:
                 self.cache.put(cache_key, schedule, plan)
-        if priced_from:
+        if alone and self.measure and primals is not None:
             plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
-                           "op times priced from the sizes measured before")
-        sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
+                           "ops measured one at a time: the unmodified step would not fit the "
+                           "budget")
         return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
 
-    def _too_big_to_measure(self, graph: RematGraph) -> list[RematGraph]:
-        """The graphs measured before, to price ``graph`` from, when measuring it would run
-        an unmodified step over the run's budget (a later size family); else ``[]``."""
-        run_bytes = self.shapes.run_budget_bytes() if self.lenient and self.measure else None
-        if run_bytes is None:
-            return []
+    def _too_big_to_measure(self, graph: RematGraph) -> bool:
+        """Whether measuring ``graph``'s ops would run an unmodified step over the budget inside
+        a training step (NOTE [ Measuring ops one at a time ] in :mod:`remat.costs`): a later
+        size family, or the first capture after the example ran eagerly (NOTE [ A budget the
+        eager step fits ])."""
+        if not (self.lenient and self.measure):
+            return False
+        limit = self.shapes.run_budget_bytes() if self.shapes.families else self.budget.bytes
+        if limit is None:
+            return False
         unmodified = simulate(graph, save_all_schedule(graph)).peak_bytes
-        if unmodified <= run_bytes:
-            return []
-        log.info("remat: a new size family is priced from the sizes measured before: measuring "
-                 "it would run its unmodified step, %s, over the budget %s",
-                 format_bytes(unmodified), format_bytes(run_bytes))
-        return [f.sized.graph for f in self.shapes.families.values()]
+        if unmodified <= limit:
+            return False
+        log.info("remat: measuring these sizes in their unmodified step would peak at %s, over "
+                 "the budget %s: their ops are measured one at a time", format_bytes(unmodified),
+                 format_bytes(limit))
+        return True
+
+    def _eager_sizes(self, sizes: tuple[int, ...], dims: Sequence[tuple[int, int] | None]
+                     ) -> tuple[int, ...]:
+        """The size symbols' values in the call the eager step was measured on: ``sizes``
+        unless that was another call (:attr:`eager_shapes`, NOTE [ A budget the eager step
+        fits ]); a symbol no input dimension is known to have keeps its value."""
+        shapes = self.eager_shapes
+        if shapes is None:
+            return sizes
+        return tuple(shapes[d[0]][d[1]] if d is not None and d[0] < len(shapes)
+                     and shapes[d[0]] is not None and d[1] < len(shapes[d[0]]) else v
+                     for v, d in zip(sizes, dims))
 
     def pin(self, plan: Plan) -> None:
         """After the example call: a graph that cannot fit the budget later runs with its

@@ -364,7 +364,7 @@ class RematModule(nn.Module):
         if eager_only is not None and not backend.shapes.families:
             if eager_only.covers(key[0], leaves):  # NOTE [ A budget the eager step fits ]
                 return self._remat_original(*args, **kwargs)
-            self._measure_before_capture(args, kwargs)
+            self._measure_before_capture(args, kwargs, key[0])
         key = (self.training, key)
         decisions = self._remat_decisions
         try:
@@ -398,10 +398,14 @@ class RematModule(nn.Module):
             decisions.setdefault(key, entry)
         return out
 
-    def _measure_before_capture(self, args: tuple, kwargs: dict) -> None:
+    def _measure_before_capture(self, args: tuple, kwargs: dict, spec: str) -> None:
         """NOTE [ A budget the eager step fits ]: a batch larger than the example is captured
-        now; its eager step is measured first, as the example's was (the rest of the step is
-        charged in proportion)."""
+        now, inside its step. The example's eager step stays the reference, at the example's
+        sizes (the backend prices the captured step there), and where the new sizes' unmodified
+        step would not fit the budget their ops are measured one at a time (NOTE [ Measuring
+        ops one at a time ] in :mod:`remat.costs`): running that step, or the larger eager step
+        to measure it, peaked at 1.48-1.57x a "3MiB" or "4MiB" budget in a Lightning run whose
+        first batch was small."""
         from torch.utils._pytree import tree_flatten
 
         backend = self._remat_backend
@@ -410,9 +414,16 @@ class RematModule(nn.Module):
         warnings.warn(
             f"remat: a batch larger than the example (tensor shapes {sizes}) needs a schedule; "
             f"the example's eager step fit the budget {backend.budget}, so nothing was captured "
-            "then: capturing, profiling and solving now, inside this step, which may peak above "
-            "the budget. Pass your largest batch as the example to do this at setup.",
+            "then: capturing and solving now, inside this step (seconds), measuring its ops one "
+            "at a time where its unmodified step would not fit the budget. Pass your largest "
+            "batch as the example to do this at setup.",
             stacklevel=3)
+        if spec == self._remat_eager.spec:
+            backend.eager_shapes = [leaf[1] if leaf[0] == "tensor" else None
+                                    for leaf in self._remat_eager.leaves]
+            return
+        # Another call structure: the example's sizes say nothing of this one; its eager step
+        # is measured (the rest of the step charged in proportion).
         if torch._C._autograd._profiler_enabled():
             return  # track_memory cannot measure inside a profiler: the example's figures stay
         eager, outside = backend.eager

@@ -479,10 +479,10 @@ class ShapePlans:
             self._warned.add(where)
             unmodified = self.run_price(family, family.entries[1], sizes).time
             slower = best_sim.time / unmodified if unmodified > 0 else float("nan")
-            why = (f"no solved schedule fits the budget {format_bytes(budget_bytes)} for sizes "
-                   f"{where}" if fits else
-                   f"no schedule fits the budget {format_bytes(budget_bytes)} for sizes {where} "
-                   f"(no schedule can go below {format_bytes(lower)} there)")
+            words = self._budget_words(family, sizes, budget_bytes)
+            why = (f"no solved schedule fits the budget {words} for sizes {where}" if fits else
+                   f"no schedule fits the budget {words} for sizes {where} (no schedule can go "
+                   f"below {format_bytes(lower)} there)")
             warnings.warn(
                 f"remat: {why}; running the lowest-peak schedule found, "
                 f"{format_bytes(best_sim.peak_bytes)}, predicted at {slower:.1f}x the "
@@ -492,6 +492,19 @@ class ShapePlans:
                 stacklevel=4,
             )
         return choice
+
+    def _budget_words(self, family: Family, sizes: tuple[int, ...], budget_bytes: int) -> str:
+        """The budget as the user set it, for the whole step, and what it leaves the module at
+        ``sizes`` where the rest of the step adds or gives back memory (a warning quoted 7.19 MiB
+        for a "4MiB" budget, the module's share after a credit, as if it were the budget)."""
+        ref = self.reference
+        outside = round(ref.at(self.baseline_at(family, sizes))[1]) if ref is not None else 0
+        if abs(outside) < 1024:
+            return format_bytes(budget_bytes)
+        verb = "adds" if outside > 0 else "gives back"
+        return (f"{format_bytes(budget_bytes + outside)} for the step ({format_bytes(budget_bytes)}"
+                f" for this module: the rest of the step {verb} {format_bytes(abs(outside))} at "
+                "these sizes)")
 
     @staticmethod
     def _top(family: Family, sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -181,3 +181,50 @@ def test_a_recomputation_is_priced_as_the_op_run_again():
     assert random, "the dropout should draw its mask in a random op"
     assert all(op.rerun_time == op.time for op in [*random, *backward])
     assert all(op.recompute_cost == op.rerun_time for op in graph.ops)
+
+
+class _EncoderStep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).square().sum()
+
+
+def test_ops_measured_one_at_a_time_find_the_steps_scratch_memory(monkeypatch):
+    """NOTE [ Measuring ops one at a time ]: what a step captured inside training measures
+    where its unmodified step would not fit the budget. Each op alone, on made-up inputs of the
+    right shapes and strides, needs the same scratch memory as in the step (SDPA's backward:
+    the scratch the roofline model cannot know) and has a time."""
+    import remat.costs
+    import remat.dynamo_backend as backend
+
+    real, made = backend.measure_op_times, []
+    seen = {}
+
+    def materialize(val):
+        made.append(val)
+        return real_materialize(val)
+
+    real_materialize = remat.costs._materialize
+    monkeypatch.setattr(remat.costs, "_materialize", materialize)
+
+    def both(lowered, joint, primals, **kwargs):
+        seen["step"] = real(lowered, joint, primals)
+        before = len(made)
+        seen["alone"] = real(lowered, joint, primals, alone=True)
+        seen["made"] = len(made) - before  # inputs made up for the ops run alone
+        seen["ops"] = [op.signature for op in lowered.graph.ops]
+        return seen["step"]
+
+    monkeypatch.setattr(backend, "measure_op_times", both)
+    torch.manual_seed(0)
+    remat.rematerialize(_EncoderStep(), torch.randn(8, 64, 64), budget="90%", cache=False)
+    step, alone = seen["step"], seen["alone"]
+    sdpa = [k for k, sig in enumerate(seen["ops"]) if sig.startswith("aten._scaled_dot_product")]
+    assert sdpa and any(step.workspaces[k] > 0 for k in sdpa)
+    assert [alone.workspaces[k] for k in sdpa] == [step.workspaces[k] for k in sdpa]
+    assert sum(alone.workspaces) >= 0.9 * sum(step.workspaces)
+    assert all(t > 0 for t in alone.times)
+    assert seen["made"] >= len(seen["ops"])  # every op ran on inputs made for it

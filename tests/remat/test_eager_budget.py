@@ -10,6 +10,7 @@ the module was not charged (a loss head outside it).
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -307,3 +308,35 @@ def test_what_the_step_drops_is_credited_at_each_batchs_own_size():
     step_at_small = module_bytes + ref.at(small)[1]  # the step the user measures at that batch
     assert step_at_small == 0.5 * ref.at(largest)[0]  # half the run's step, not more
     assert module_bytes == 90 + 8  # the old credit, taken at the largest batch: 90 + 20
+
+
+def test_a_larger_batch_after_an_eager_example_keeps_a_byte_budget_below_its_eager_step():
+    """NOTE [ A budget the eager step fits ], NOTE [ Measuring ops one at a time ]: the example
+    ran eagerly; a later batch whose eager step is ~2x the budget is captured inside its
+    step. That step ran its unmodified step to measure ops (and the eager step before it),
+    1.48-1.57x the budget in a Lightning run; now it keeps the budget, with eager's gradients,
+    and so do the steps after it."""
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = transformer_encoder()
+    model.train()
+    ref = copy.deepcopy(model)
+    eager_peak = _step(model, args, kwargs, loss_of)
+    budget = int(1.2 * eager_peak)
+    rm = remat.rematerialize(model, *args, budget=f"{budget}B", step_peak_bytes=eager_peak)
+    assert rm.plan.status == "eager"
+    bigger = (torch.randn(8, 192, 64, generator=torch.Generator().manual_seed(3)),)
+    assert _step(ref, bigger, {}, loss_of) > 1.8 * budget
+    grads = [p.grad.clone() for p in ref.parameters()]
+    for k in range(2):
+        if k == 0:
+            with pytest.warns(UserWarning, match="measuring its ops one at a time"):
+                peak = _step(rm, bigger, {}, loss_of)
+        else:
+            peak = _step(rm, bigger, {}, loss_of)
+        # Within the issue's 2%: the op scratch memory a profiler around the step hides from
+        # the capture (NOTE [ Capturing inside a profiler ]) is not in the plan here.
+        assert peak <= budget * TOLERANCE, (k, peak / budget)
+        for p, g in zip(model.parameters(), grads):
+            assert torch.equal(p.grad, g)
+    assert rm.plans[-1].detail.endswith("ops measured one at a time: the unmodified step would "
+                                        "not fit the budget")

@@ -166,11 +166,11 @@ def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_s
     assert len(solved) == 2 and solved[1] < solved[0] / 1.4, solved
 
 
-def test_a_new_size_family_over_the_budget_is_priced_not_run_unmodified():
-    """NOTE [ Pricing a graph without running it ]: a batch of size 1 is dynamo's own graph,
-    captured in the step that meets it; measuring its ops ran its unmodified step inside that
-    step (1.05x the eager step's peak under a budget of 0.7x). Priced from the example's ops,
-    the step keeps the budget, and its gradients are eager's."""
+def test_a_new_size_family_over_the_budget_is_measured_op_by_op_not_run_unmodified():
+    """NOTE [ Measuring ops one at a time ]: a batch of size 1 is dynamo's own graph, captured
+    in the step that meets it; measuring its ops ran its unmodified step inside that step
+    (1.05x the eager step's peak under a budget of 0.7x). Measured one op at a time, the step
+    keeps the budget, and its gradients are eager's."""
     ref = tiny_gpt2()
     model = copy.deepcopy(ref)
     one = torch.randint(96, (1, 512))
@@ -191,7 +191,8 @@ def test_a_new_size_family_over_the_budget_is_priced_not_run_unmodified():
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
     assert len(rm.shapes.families) == 2
-    assert rm.plans[-1].detail.endswith("op times priced from the sizes measured before")
+    assert rm.plans[-1].detail.endswith("ops measured one at a time: the unmodified step would "
+                                        "not fit the budget")
     assert rm.plans[-1].predicted_peak_bytes <= budget
 
 
