@@ -119,9 +119,22 @@ class Reference:
 
     def at(self, baseline_bytes: int) -> tuple[float, float]:
         """``(whole step, outside)`` in bytes for a graph whose unmodified peak is
-        ``baseline_bytes`` (both scale with it from the example batch)."""
+        ``baseline_bytes``: both scale with it from the example batch, except a credit.
+
+        NOTE [ A credit never grows ]
+        What the rest of the step adds (a loss head) is charged in proportion at larger batches.
+        What it takes away (outputs the step drops, which the module's own step held) is a
+        credit the module's schedule may spend, and one extrapolated to larger batches is a
+        promise nobody measured: from a 2 x 32 example that ran eagerly, a credit scaled to
+        8 x 256 batches was 10-20% of the step too large, and Lightning steps that dropped a
+        module output measured up to 1.12x a "10MiB" budget. A credit shrinks with smaller
+        batches and never grows beyond what was measured.
+        """
         scale = baseline_bytes / max(self.compiled_bytes, 1)
-        return self.step_bytes * scale, self.outside_bytes * scale
+        outside = self.outside_bytes * scale
+        if self.outside_bytes < 0:
+            outside = max(outside, self.outside_bytes)
+        return self.eager_bytes * scale + outside, outside
 
 
 def _reject(name: str, value: object, why: str) -> ValueError:

@@ -79,9 +79,9 @@ class StepMemory(pl.Callback):
         self.losses.append(loss.detach().clone())
 
 
-def fit_gpt(batches, callback=None):
+def fit_gpt(batches, callback=None, module=None):
     pl.seed_everything(0, verbose=False)
-    model = LitGPT()
+    model = (module or LitGPT)()
     record = StepMemory()
     trainer = pl.Trainer(max_steps=len(batches), accelerator="cpu", logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -191,3 +191,66 @@ def test_first_step_measured_within_budget_of_the_eager_step_on_hf_gpt2():
     assert step <= 0.6 * eager * 1.02, f"first step measured {step / eager:.3f} of eager"
     plan = callback.results["net"].plans[0]
     assert plan.eager_bytes + plan.outside_bytes == eager
+
+
+class TwoOutputs(nn.Module):
+    """Returns its logits and its stacked hidden states; the training step uses the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(4))
+        self.head = nn.Linear(64, VOCAB)
+
+    def forward(self, ids):
+        h, hidden = self.emb(ids), []
+        for layer in self.layers:
+            h = h + layer(h)
+            hidden.append(h)
+        return self.head(h), torch.stack(hidden)
+
+
+class LitDropsAnOutput(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = TwoOutputs()
+
+    def training_step(self, batch, batch_idx):
+        logits, _ = self.net(batch)  # the hidden states are dropped
+        return F.cross_entropy(logits.flatten(0, 1), batch.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_small_first_batch_and_dropped_outputs_keep_a_byte_budget_on_every_step():
+    """The issue's run: a byte budget, a training step that drops an output the module returns
+    (the module's own step held it: a credit), batch sizes 1-8 and lengths 16-256, and a first
+    batch so small it runs eagerly. Every later batch is captured, solved or re-priced inside
+    training (NOTE [ Measuring ops one at a time ], NOTE [ A credit never grows ]): those steps
+    measured up to 1.57x the budget, and steady ones up to 1.12x; now every step whose sizes
+    a schedule fits keeps the budget, with eager's losses bit for bit."""
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(VOCAB, (2, 32), generator=gen)]
+    batches += [torch.randint(VOCAB, (rng.randint(1, 8), rng.randint(16, 256)), generator=gen)
+                for _ in range(23)]
+    budget = remat.parse_budget("10MiB").bytes
+    plain, eager = fit_gpt(batches, module=LitDropsAnOutput)
+    assert max(eager.peaks) > 2 * budget and eager.peaks[0] < budget
+    with pytest.warns(UserWarning, match="a batch larger than the example"):
+        losses, record = fit_gpt(batches, HiRemateCallback(budget="10MiB", time_limit=10),
+                                 module=LitDropsAnOutput)
+    assert torch.equal(losses, plain), (losses - plain).abs().max()
+    shapes = record.net.shapes
+    family = shapes.families[next(iter(shapes.families))]
+    checked = 0
+    for k, batch in enumerate(batches[1:], start=1):
+        sizes = tuple(batch.shape)
+        choice = shapes.choices.get((family.key, sizes))
+        if choice is None or not choice.fits:  # a batch of 1 (its own graph) or warned about
+            continue
+        assert record.peaks[k] <= budget + SLACK_BYTES, (k, sizes, record.peaks[k] / budget)
+        checked += 1
+    assert checked >= 15, shapes.summary()

@@ -308,6 +308,10 @@ def test_what_the_step_drops_is_credited_at_each_batchs_own_size():
     step_at_small = module_bytes + ref.at(small)[1]  # the step the user measures at that batch
     assert step_at_small == 0.5 * ref.at(largest)[0]  # half the run's step, not more
     assert module_bytes == 90 + 8  # the old credit, taken at the largest batch: 90 + 20
+    # NOTE [ A credit never grows ]: at a batch larger than the one measured, no more credit.
+    assert ref.at(300) == (600 - 20, -20)
+    charged = Reference(eager_bytes=200, outside_bytes=20, compiled_bytes=100)
+    assert charged.at(300) == (660, 60)  # a charge grows with the batch
 
 
 def test_a_larger_batch_after_an_eager_example_keeps_a_byte_budget_below_its_eager_step():
