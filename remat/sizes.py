@@ -249,7 +249,7 @@ class ShapePlans:
         # Entries some batch runs, and the unmodified steps that run eagerly (no compile).
         self.in_use: set[int] = set()
         self._warned: set[str] = set()
-        # Over-budget choices: (entries, budget bytes) when made (NOTE [ An over-budget choice
+        # Unsettled choices: (entries, the family's largest baseline) when made (NOTE [ An over-budget choice
         # is revisited ]).
         self._over: dict[tuple, tuple[int, int]] = {}
         # What the user measures, set with the first graph (NOTE [ A budget is what the user
@@ -394,7 +394,7 @@ class ShapePlans:
         self.choices[(key, sizes)] = choice
         self.in_use.add(choice.entry)
         if not choice.settled:
-            self._over[(key, sizes)] = (len(self.entries), budget_bytes)
+            self._over[(key, sizes)] = (len(self.entries), family.max_baseline)
         return choice
 
     def _may_fit_now(self, family: Family, sizes: tuple[int, ...]) -> bool:
@@ -411,8 +411,10 @@ class ShapePlans:
         seen = self._over.get((family.key, sizes))
         if seen is None:
             return False
-        count, budget_bytes = seen
-        return len(self.entries) > count or self.budget_at(family, sizes) > budget_bytes
+        # A budget at fixed sizes grows only with the run's largest batch (a fraction): compared
+        # by that, not re-priced, so an unsettled batch costs no simulation per call.
+        count, largest = seen
+        return len(self.entries) > count or family.max_baseline > largest
 
     @staticmethod
     def _fits(family: Family, sizes: tuple[int, ...], peak: int, budget_bytes: int) -> bool:
