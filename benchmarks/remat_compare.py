@@ -2,6 +2,7 @@
 
     python -m benchmarks.remat_compare --model gpt --budgets 100 70 50 30
     python -m benchmarks.remat_compare --model unet --budgets 100 70 50 30
+    python -m benchmarks.remat_compare --model vit --d-model 192 --budgets 50
     python -m benchmarks.remat_compare --quick          # a small, fast run
 
 For each method it runs a few training steps (forward + backward) of the same model on the same
@@ -27,8 +28,10 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,7 +43,7 @@ import torch.utils.checkpoint as ckpt
 import remat
 from remat.costs import _page_fault_counter
 from remat.module import _own_step  # a frame of its own: NOTE [ Owning the compiled frames ]
-from benchmarks.models import GPT, GPTConfig, ResNet, UNet, gpt_batch, image_batch
+from benchmarks.models import GPT, GPTConfig, ResNet, UNet, ViT, gpt_batch, image_batch
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Row:
     grad_diff: float
     note: str = ""
     setup_s: float = float("nan")  # until the first step ended: capture, solve, compile, step
+    # remat: the same in a later run, whose op costs and schedule the plan cache kept
+    setup_again_s: float = float("nan")
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn.Module]]:
@@ -89,6 +94,11 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, tuple, Callable, list[nn
         ids = torch.randint(args.vocab, (args.batch, args.seq),
                             generator=torch.Generator().manual_seed(0))
         return model, (ids.to(dev),), lambda out: out, list(model.lm.model.layers)
+    if args.model == "vit":  # patches by a strided convolution, pre-norm blocks, no mask
+        model = ViT(image=args.image, patch=4, d_model=args.d_model, depth=args.layers,
+                    n_head=args.heads, dropout=args.dropout)
+        x, y = (t.to(dev) for t in image_batch(args.batch, size=args.image))
+        return model, (x, y), lambda out: out, list(model.blocks)
     if args.model == "unet":
         model = UNet(width=args.width or 16, depth=args.depth)
         x = image_batch(args.batch, size=args.image)[0].to(dev)
@@ -123,7 +133,7 @@ class Checkpointed(nn.Module):
 def with_block_checkpoints(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every block wrapped in ``torch.utils.checkpoint``."""
     model = copy.deepcopy(model)
-    if isinstance(model, GPT):
+    if isinstance(model, (GPT, ViT)):
         model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
     elif isinstance(model, LabelledLM):  # Hugging Face's own per-layer checkpointing
         if hasattr(model.lm, "activation_checkpointing_enable"):
@@ -168,6 +178,24 @@ def measure(name: str, model: nn.Module, run: Callable[[], torch.Tensor], ref_gr
 # at the heap's top, and serve blocks up to this size from the heap (32 MiB: glibc's maximum).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_TRIM, _KEEP_MMAP = 2**31 - 1, 32 * 2**20
+
+
+def setup_again(model: nn.Module, batch: tuple, loss_of: Callable, budget: float,
+                args: argparse.Namespace, step_peak: int, cache_dir: str) -> float:
+    """Seconds from ``rematerialize`` to the end of the first step in a later run on this
+    machine: a new capture of ``model`` whose op costs and schedule are in ``cache_dir``
+    (NOTE [ Costs measured once ] in remat/cache.py)."""
+    m = copy.deepcopy(model)
+    start = time.perf_counter()
+    rm = remat.rematerialize(m, *batch, budget=f"{budget:g}%", solver=args.solver,
+                             time_limit=args.time_limit, step_peak_bytes=step_peak,
+                             cache=remat.PlanCache(cache_dir))
+    loss_of(rm(*batch)).backward()
+    took = time.perf_counter() - start
+    if not rm.plan.cache_hit:
+        print(f"remat({budget:g}%): the second capture did not hit the plan cache",
+              file=sys.stderr)
+    return took
 
 
 def keep_freed_memory() -> bool:
@@ -228,7 +256,7 @@ def alternate_steps(runs: list[tuple[nn.Module, Callable[[], torch.Tensor]]], st
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["gpt", "resnet", "unet", "hf-gpt2", "hf-llama"],
+    parser.add_argument("--model", choices=["gpt", "resnet", "unet", "vit", "hf-gpt2", "hf-llama"],
                         default="gpt")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peaks from the CUDA "
                         "allocator there)")
@@ -288,14 +316,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
             add(f"torch.compile(budget={frac:g})", m, run)
         m = copy.deepcopy(model)
+        kept = tempfile.TemporaryDirectory(prefix="remat_compare_")
         start = time.perf_counter()
         try:
             # The loss is outside the module: the budget is of the whole eager step measured
-            # above (NOTE [ A budget is what the user measures ]). No plan cache: every run
-            # solves, so that the setup column is what a first run costs.
+            # above (NOTE [ A budget is what the user measures ]). An empty plan cache of its
+            # own: every budget measures and solves, so that the setup column is what a first
+            # run costs; the second capture below is a later run's.
             rm = remat.rematerialize(m, *batch, budget=f"{b:g}%", solver=args.solver,
                                      time_limit=args.time_limit, step_peak_bytes=eager_row.peak,
-                                     cache=False)
+                                     cache=remat.PlanCache(kept.name))
         except remat.RematError as e:
             contenders.append((Row(f"remat({b:g}%)", 0, float("nan"), float("nan"),
                                    f"error: {e}"[:90]), None, None))
@@ -310,6 +340,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         setup = time.perf_counter() - start
         row = add(f"remat({b:g}%)", m, lambda rm=rm: loss_of(rm(*batch)), note)
         row.setup_s += setup
+        row.setup_again_s = setup_again(model, batch, loss_of, b, args, eager_row.peak, kept.name)
+        kept.cleanup()
         row.note += f"; measured/predicted peak {row.peak / max(plan.predicted_peak_bytes, 1):.3f}"
     timed = [(row, module, run) for row, module, run in contenders if run is not None]
     medians = alternate_steps([(module, run) for _, module, run in timed], args.steps, dev)
@@ -323,18 +355,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
           f"torch={torch.__version__} {args.device} {where} "
           f"(median of {args.steps} steps, methods taking turns)")
-    print(report(rows, eager_row, dropout=args.dropout if args.model == "gpt" else 0.0))
+    print(report(rows, eager_row, dropout=0.0 if args.model in ("unet", "resnet") else args.dropout))
     return rows
 
 
 def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
     """The table, then a legend that defines each column and explains every difference."""
     lines = [f"{'method':<28}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}"
-             f"{'setup s':>9}{'grad diff':>11}  notes"]
+             f"{'setup s':>9}{'again s':>9}{'grad diff':>11}  notes"]
     for r in rows:
+        again = "-" if math.isnan(r.setup_again_s) else f"{r.setup_again_s:.1f}"
         lines.append(f"{r.method:<28}{r.peak / 2**20:>10.2f}{r.peak / eager.peak:>12.3f}"
-                     f"{r.step_s / eager.step_s:>12.3f}{r.setup_s:>9.1f}{r.grad_diff:>11.2e}"
-                     f"  {r.note}")
+                     f"{r.step_s / eager.step_s:>12.3f}{r.setup_s:>9.1f}{again:>9}"
+                     f"{r.grad_diff:>11.2e}  {r.note}")
     lines += [
         "",
         "peak MiB:   measured peak of the bytes one training step allocates (forward, loss, "
@@ -346,6 +379,10 @@ def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
         "step ended",
         "            (remat: eager measurement, capture, profile, solve, compile; torch.compile: "
         "its first call)",
+        "again s:    remat's setup s in a later run on this machine: the op costs and the "
+        "schedule",
+        "            come from the plan cache the first run filled (capture and eager "
+        "measurement remain)",
         "grad diff:  largest absolute difference of any parameter gradient from eager's",
         "checkpoint(N blocks): torch.utils.checkpoint (non-reentrant) around each of N blocks",
         "torch.compile(budget=B): torch.compile(backend='aot_eager') with "

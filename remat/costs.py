@@ -24,7 +24,7 @@ import torch.fx as fx
 from .lowering import Lowered
 from .symbolic import hint
 
-__all__ = ["OpCosts", "measure_op_times", "model_op_times"]
+__all__ = ["OpCosts", "machine_tag", "measure_op_times", "model_op_times"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,34 @@ class OpCosts(NamedTuple):
     times: list[float]  # seconds, as the unmodified step runs it
     workspaces: list[int]  # scratch bytes beyond its outputs
     rerun_times: list[float]  # seconds when run again at once (NOTE [ What a recomputation costs ])
+    # False when scratch memory could not be measured (NOTE [ Capturing inside a profiler ]) or
+    # only memory was (``repeats=0``): such costs are not kept for another run (NOTE [ Costs
+    # measured once ] in :mod:`remat.cache`).
+    complete: bool = True
+
+
+def machine_tag(tensors: Sequence[object]) -> str:
+    """What measured costs depend on beyond the graph: the device (its model), the threads and
+    the PyTorch build (NOTE [ Costs measured once ] in :mod:`remat.cache`)."""
+    cuda = _cuda_device(tensors)
+    if cuda is not None:
+        where = f"cuda:{torch.cuda.get_device_name(cuda)}"
+    else:
+        where = f"cpu:{_cpu_model()}|threads={torch.get_num_threads()}"
+    return f"{where}|torch={torch.__version__}"
+
+
+def _cpu_model() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def measure_op_times(
@@ -69,7 +97,7 @@ def measure_op_times(
         lowered: The lowered joint graph.
         joint: The joint graph module.
         primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
-        repeats: Timed runs; the fastest is kept, over the samples of every op doing the same
+        repeats: Timed runs (0: scratch memory only, every time 0); the fastest is kept, over the samples of every op doing the same
             work (NOTE [ Ops that do the same work cost the same ]). A first, untimed run under
             the memory profiler warms caches and measures each op's workspace (bytes it
             allocates beyond its outputs, freed before it returns: see NOTE [ Measuring memory
@@ -141,6 +169,7 @@ def measure_op_times(
             torch.random.fork_rng(devices=[]):
         cuda = _cuda_device(primals)
         names = {node.name: i for node, i in op_index.items()}
+        complete = repeats > 0
         if cuda is not None:  # NOTE [ Measuring ops on CUDA ]
             workspaces = _cuda_workspaces(run, names, len(workspaces), cuda)
         elif torch._C._autograd._profiler_enabled():
@@ -151,6 +180,7 @@ def measure_op_times(
                         "the capture): op scratch memory is not measured; the predicted peak may "
                         "be a little low. Capture outside the profiler for exact predictions.")
             run(lambda node, args, kwargs: node.target(*args, **kwargs))  # warm-up
+            complete = False
         else:
             workspaces = _cpu_workspaces(run, names, len(workspaces))
 
@@ -170,7 +200,7 @@ def measure_op_times(
     rerun_times = _pooled_prices(reruns, keys, rerun_faults)
     # an op never re-run (backward, random, on CUDA) costs its own time if it ever is
     return OpCosts(times, workspaces, [r if ran else t for r, t, ran in
-                                       zip(rerun_times, times, map(bool, reruns))])
+                                       zip(rerun_times, times, map(bool, reruns))], complete)
 
 
 # NOTE [ Measuring ops one at a time ]

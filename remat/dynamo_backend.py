@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 
 from .budget import Budget, Reference, format_bytes, parse_budget
-from .cache import PlanCache, graph_key, resolve_cache
+from .cache import PlanCache, costs_key, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
-from .costs import measure_op_times, model_op_times
+from .costs import machine_tag, measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
@@ -160,16 +160,7 @@ class RematBackend:
         """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
         cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options,
                               structure=key)
-        # Ops are timed on the batch even on a hit: the plan's numbers (and the check of the
-        # cached schedule against the budget) need the measured scratch memory.
-        primals = self._primals(gm, real_inputs, joint)
-        # NOTE [ Measuring ops one at a time ] where the unmodified step would not fit
-        alone = self._too_big_to_measure(lowered.graph)
-        if self.measure and primals is not None:
-            graph = lowered.graph.with_times(*measure_op_times(lowered, joint, primals,
-                                                               alone=alone))
-        else:
-            graph = lowered.graph.with_times(model_op_times(lowered))
+        graph, alone = self._costed(lowered, joint, gm, real_inputs, key)
         budget = self.budget
         sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
         if not self.shapes.families and self.eager is not None:
@@ -205,11 +196,37 @@ class RematBackend:
                     solver=self.solver, status="crashed") from exc
             if self.cache is not None:
                 self.cache.put(cache_key, schedule, plan)
-        if alone and self.measure and primals is not None:
+        if alone:
             plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
                            "ops measured one at a time: the unmodified step would not fit the "
                            "budget")
         return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
+
+    def _costed(self, lowered, joint: fx.GraphModule, gm: fx.GraphModule,
+                real_inputs: list[Any], structure: str) -> tuple[RematGraph, bool]:
+        """``lowered.graph`` with its op costs: kept from an earlier capture of the same graph
+        on this machine (NOTE [ Costs measured once ] in :mod:`remat.cache`), else measured on
+        the real inputs (one op at a time where the unmodified step would not fit the budget:
+        NOTE [ Measuring ops one at a time ]), else modelled; and whether ops were measured one
+        at a time. With ``solver="none"`` nothing is recomputed, so only scratch memory is
+        measured (what :func:`remat.estimate` reports) and times are modelled."""
+        primals = self._primals(gm, real_inputs, joint) if self.measure else None
+        if primals is None:
+            return lowered.graph.with_times(model_op_times(lowered)), False
+        machine = machine_tag(primals)
+        ckey = costs_key(lowered.graph, structure=structure)
+        num_ops = len(lowered.graph.ops)
+        kept = self.cache.get_costs(ckey, machine, num_ops) if self.cache is not None else None
+        if kept is not None:
+            return lowered.graph.with_times(kept.times, kept.workspaces, kept.rerun_times), False
+        alone = self._too_big_to_measure(lowered.graph)
+        if self.solver == "none":
+            costs = measure_op_times(lowered, joint, primals, alone=alone, repeats=0)
+            return lowered.graph.with_times(model_op_times(lowered), costs.workspaces), alone
+        costs = measure_op_times(lowered, joint, primals, alone=alone)
+        if self.cache is not None:
+            self.cache.put_costs(ckey, machine, costs)
+        return lowered.graph.with_times(costs.times, costs.workspaces, costs.rerun_times), alone
 
     def _too_big_to_measure(self, graph: RematGraph) -> bool:
         """Whether measuring ``graph``'s ops would run an unmodified step over the budget inside

@@ -87,7 +87,7 @@ def test_a_failing_write_warns_and_the_run_goes_on(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="cannot write the plan cache"):
         rm = solve("60%", str(tmp_path))
     assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
-    assert list(tmp_path.iterdir()) == []
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no half-written file
 
 
 WRITER = textwrap.dedent("""
@@ -191,3 +191,56 @@ def test_the_fingerprint_names_the_schedule(tmp_path):
     assert hit.plan.cache_hit and hit.plan.fingerprint == solved.plan.fingerprint
     assert len(solved.plan.fingerprint) == 10 and other.plan.fingerprint != solved.plan.fingerprint
     assert f"schedule                    {solved.plan.fingerprint}" in solved.plan.summary()
+
+
+def _counting_measurements(monkeypatch) -> list[int]:
+    """The ``repeats`` of every measurement of op costs the backend makes from now on."""
+    import remat.dynamo_backend as backend
+
+    real, calls = backend.measure_op_times, []
+
+    def counted(*args, repeats=3, **kwargs):
+        calls.append(repeats)
+        return real(*args, repeats=repeats, **kwargs)
+
+    monkeypatch.setattr(backend, "measure_op_times", counted)
+    return calls
+
+
+def test_op_costs_are_measured_once_per_graph_and_machine(tmp_path, monkeypatch):
+    """NOTE [ Costs measured once ]: a later capture of the same graph (another budget, another
+    process's cache) takes the costs measured first instead of running the step four more
+    times; its plan prints the same numbers. Costs tagged with another machine are measured
+    again."""
+    calls = _counting_measurements(monkeypatch)
+    first = solve("60%", str(tmp_path))
+    assert calls == [3]
+    other_budget = solve("80%", remat.PlanCache(tmp_path))  # solves, measures nothing
+    again = solve("60%", remat.PlanCache(tmp_path))  # a hit, measures nothing
+    assert calls == [3] and not other_budget.plan.cache_hit and again.plan.cache_hit
+    assert again.plan.predicted_overhead == first.plan.predicted_overhead
+    assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
+    assert again.plan.fingerprint == first.plan.fingerprint
+
+    (kept,) = (tmp_path / "costs").glob("*.json")
+    entry = json.loads(kept.read_text())
+    assert len(entry["times"]) == len(entry["workspaces"]) == first.plan.num_ops
+    kept.write_text(json.dumps({**entry, "machine": "cpu:another|threads=64|torch=0"}))
+    solve("60%", remat.PlanCache(tmp_path))
+    assert calls == [3, 3]  # another machine's costs are not this one's
+    kept.write_text(json.dumps({**entry, "times": entry["times"][1:]}))  # not this graph's
+    solve("60%", remat.PlanCache(tmp_path))
+    assert calls == [3, 3, 3]
+
+
+def test_estimate_measures_memory_only(monkeypatch):
+    """``remat.estimate`` solves nothing and times nothing: one run for scratch memory, and the
+    same figures as the capture that times every op."""
+    calls = _counting_measurements(monkeypatch)
+    model, x = mlp()
+    report = remat.estimate(model, x)
+    assert calls == [0]
+    timed = remat.rematerialize(model, x, budget="60%", cache=False)
+    assert calls == [0, 3]
+    assert report.activation_peak_bytes == timed.plan.baseline_bytes
+    assert report.lowest_peak_bytes == timed.plan.lower_bound_bytes
