@@ -9,8 +9,9 @@ NOTE [ Same plan on every rank ]
     ``rematerialize`` times each op on the example batch; times measured on different ranks
     differ, so independent solves could pick different schedules. Rank 0 captures and solves;
     its :class:`remat.PlanCache` is broadcast and the other ranks capture the same graph, which
-    hits the cache (no solve; ops are still timed to check the plan). Rank 0's failures are broadcast too, so every rank
-    takes the same decision (raise with ``strict=True``, train that target unmodified otherwise)
+    hits the cache (no solve; the op costs rank 0 measured where the machines match: NOTE
+    [ Costs measured once ]). Rank 0's failures are broadcast too, so every rank takes the same
+    decision (raise with ``strict=True``, train that target unmodified otherwise)
     and no rank waits forever in a collective. A schedule solved later in training (a size bucket
     none of the schedules fits) is solved by each rank on its own: gradients stay exact, only the
     schedules may differ between ranks.
@@ -286,7 +287,8 @@ def _rematerialize(target: Target, args: tuple, kwargs: dict, settings: RematSet
     rm = remat.rematerialize(
         target.module, *args, budget=settings.budget, solver=settings.solver,
         time_limit=settings.time_limit, cache=cache, eager_peak_bytes=eager,
-        step_peak_bytes=step, **kwargs,
+        # NOTE [ Options that share a name with the model's ]: the call's own keywords apart
+        step_peak_bytes=step, example_kwargs=kwargs,
     )
     result.capture_time_s = time.perf_counter() - t0
     result.remat_module = rm

@@ -97,7 +97,8 @@ def measure_op_times(
         lowered: The lowered joint graph.
         joint: The joint graph module.
         primals: Real tensors for the joint graph's ``primals_*`` placeholders, in order.
-        repeats: Timed runs (0: scratch memory only, every time 0); the fastest is kept, over the samples of every op doing the same
+        repeats: Timed runs (0: scratch memory only, every time 0); the fastest is kept,
+            over the samples of every op doing the same
             work (NOTE [ Ops that do the same work cost the same ]). A first, untimed run under
             the memory profiler warms caches and measures each op's workspace (bytes it
             allocates beyond its outputs, freed before it returns: see NOTE [ Measuring memory

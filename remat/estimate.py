@@ -56,7 +56,8 @@ class MemoryReport:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> MemoryReport:
+def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, Any] | None = None,
+             **call_kwargs: Any) -> MemoryReport:
     """Report the memory of one training step without training (and without changing state).
 
     Captures and profiles the step exactly like :func:`remat.rematerialize` (so capture errors
@@ -65,7 +66,10 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
     Args:
         module: The network, in the mode it will train in.
         *example_args: A real example batch.
-        **example_kwargs: Keyword arguments of the example call.
+        example_kwargs: Keyword arguments of the example call, as a dict (for names such as
+            ``example_kwargs`` itself; NOTE [ Options that share a name with the model's ] in
+            :mod:`remat.module`).
+        **call_kwargs: Keyword arguments of the example call.
 
     Returns:
         A :class:`MemoryReport`; ``print(report.summary())`` for a table.
@@ -80,11 +84,14 @@ def estimate(module: nn.Module, *example_args: Any, **example_kwargs: Any) -> Me
         >>> print(remat.estimate(model, batch).summary())
     """
     from .devices import step_device
-    from .module import rematerialize
+    from .module import _DEFAULTS, _rematerialize, example_call_kwargs
+
+    example_kwargs = example_call_kwargs(module, "estimate", {}, {}, example_kwargs, call_kwargs)
 
     step_device(module, example_args, example_kwargs, owner="estimate")  # before measuring
     # No limit: the unmodified step is what is reported (a percentage could be below it).
-    rm = rematerialize(module, *example_args, budget=_NO_LIMIT, solver="none", **example_kwargs)
+    rm = _rematerialize(module, example_args, example_kwargs,
+                        **{**_DEFAULTS, "budget": _NO_LIMIT, "solver": "none"})
     plan = rm.plan
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     params += sum(b.numel() * b.element_size() for b in module.buffers())

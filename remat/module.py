@@ -468,7 +468,8 @@ def rematerialize(
     cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
-    **example_kwargs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+    **call_kwargs: Any,
 ) -> RematModule:
     """Return an equivalent module whose training step keeps activation memory under ``budget``.
 
@@ -501,7 +502,11 @@ def rematerialize(
         step_peak_bytes: The measured eager peak of the whole training step the module runs
             in, when part of the step is outside it (a loss head): percentages are of it, and
             what it adds to the module's peak is charged against the budget.
-        **example_kwargs: Keyword arguments of the example call.
+        example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
+            forward takes a name that is also one of these options (``cache``, ``budget``...),
+            which would otherwise go to remat (NOTE [ Options that share a name with the
+            model's ]).
+        **call_kwargs: Keyword arguments of the example call.
 
     Returns:
         A :class:`RematModule` sharing ``module``'s parameters and buffers; ``.plan`` says what
@@ -532,6 +537,19 @@ def rematerialize(
     if isinstance(module, RematModule):
         raise TypeError("rematerialize(module=...): this module is already a RematModule; pass "
                         "its .original to solve again with other settings")
+    given = {"budget": budget, "solver": solver, "time_limit": time_limit, "measure": measure,
+             "options": options, "cache": cache, "eager_peak_bytes": eager_peak_bytes,
+             "step_peak_bytes": step_peak_bytes}
+    example_kwargs = example_call_kwargs(module, "rematerialize", given, _DEFAULTS,
+                                         example_kwargs, call_kwargs)
+    return _rematerialize(module, example_args, example_kwargs, **given)
+
+
+def _rematerialize(module: nn.Module, example_args: tuple, example_kwargs: dict[str, Any], *,
+                   budget: str | float | int | Budget, solver: str, time_limit: float,
+                   measure: bool, options: dict | None, cache: PlanCache | str | bool | None,
+                   eager_peak_bytes: int | None, step_peak_bytes: int | None) -> RematModule:
+    """:func:`rematerialize` with the example call's keyword arguments apart."""
     backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
                            options=options, cache=cache)
     step_device(module, example_args, example_kwargs)  # NOTE [ Devices remat can run on ]
@@ -546,3 +564,56 @@ def rematerialize(
     plan = rm.capture(*example_args, **example_kwargs)
     rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]
     return rm
+
+
+# NOTE [ Options that share a name with the model's ]
+# ``rematerialize(module, *args, budget=..., cache=..., **kwargs)`` takes the example call's
+# keyword arguments beside its own options, so a forward with a parameter of the same name
+# loses it silently: Hugging Face decoder layers take ``cache=``, which went to the plan cache
+# (``cache=None``: no plan cache, and the layer ran with its default; a ``DynamicCache``: a
+# TypeError about plan cache directories). Such arguments go in ``example_kwargs={...}``;
+# giving one of these options while the module's forward also takes that name warns, saying
+# where it went and how to send it to the module instead.
+_DEFAULTS = {"budget": "70%", "solver": DEFAULT_SOLVER, "time_limit": 60.0, "measure": True,
+             "options": None, "cache": True, "eager_peak_bytes": None, "step_peak_bytes": None}
+
+
+def example_call_kwargs(module: nn.Module, owner: str, given: dict[str, Any],
+                        defaults: dict[str, Any], example_kwargs: dict[str, Any] | None,
+                        call_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The example call's keyword arguments: ``call_kwargs`` and ``example_kwargs`` (a dict, no
+    name in both), after warning about options in ``given`` that the module's forward also
+    takes (NOTE [ Options that share a name with the model's ])."""
+    import inspect
+
+    if example_kwargs is None:
+        example_kwargs = {}
+    elif not isinstance(example_kwargs, dict):
+        raise TypeError(f"{owner}(example_kwargs={example_kwargs!r}): expected a dict of the "
+                        "example call's keyword arguments, e.g. example_kwargs={'cache': None}")
+    both = sorted(set(example_kwargs) & set(call_kwargs))
+    if both:
+        raise TypeError(f"{owner}(): {', '.join(map(repr, both))} given both as a keyword "
+                        "argument and in example_kwargs; pass it once, in example_kwargs")
+    try:
+        takes = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to compare
+        takes = {}
+    for name, value in given.items():
+        param = takes.get(name)
+        if param is None or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) \
+                or name in example_kwargs or _same(value, defaults[name]):
+            continue
+        warnings.warn(
+            f"{owner}({name}={value!r}): {name}= sets remat's own option, and "
+            f"{type(module).__name__}.forward also takes {name!r}, which the example call does "
+            f"not get. To pass it to the module, use example_kwargs={{{name!r}: ...}}",
+            stacklevel=3)
+    return {**call_kwargs, **example_kwargs}
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return bool(value is default or value == default)
+    except Exception:  # noqa: BLE001 - a tensor or an odd __eq__: not the default
+        return False

@@ -1,6 +1,9 @@
 """What users see when remat cannot help: errors that name the cause and the fix."""
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
 import remat
 
@@ -398,3 +401,43 @@ def test_a_device_mismatch_is_named_in_one_sentence():
     assert device_mismatch(module, (torch.randn(3, 2, device="meta"),), {}) == (
         "the module's parameter 'weight' is on cpu but input args[0] is on meta: move the model "
         "and the batch to one device, e.g. model.to('cpu') and batch.to('cpu')")
+
+
+class _CachedLayer(nn.Module):
+    """A layer whose forward takes ``cache=`` (as Hugging Face decoder layers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
+        for lin in self.lins:
+            x = torch.tanh(lin(x))
+        return (x if cache is None else x + cache).square().sum()
+
+
+def test_an_argument_named_like_an_option_reaches_the_module_through_example_kwargs():
+    """NOTE [ Options that share a name with the model's ]: ``cache=`` given to rematerialize is
+    remat's plan cache and the module's forward gets its default, which it says; in
+    ``example_kwargs`` it reaches the module, whose gradients are then eager's."""
+    torch.manual_seed(0)
+    layer, x, cache = _CachedLayer(), torch.randn(256, 16), torch.randn(256, 16)
+    with pytest.warns(UserWarning, match=r"rematerialize\(cache=False\).*_CachedLayer.forward "
+                                         r"also takes 'cache'.*example_kwargs=\{'cache': \.\.\.\}"):
+        remat.rematerialize(layer, x, budget="60%", cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to say: the module gets it
+        rm = remat.rematerialize(layer, x, budget="60%", cache=False,
+                                 example_kwargs={"cache": cache})
+        report = remat.estimate(layer, x, example_kwargs={"cache": cache})
+    layer(x, cache=cache).backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    rm(x, cache=cache).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), expected))
+    assert report.activation_peak_bytes > 0
+    with pytest.raises(TypeError, match=r"'cache' given both as a keyword argument and in "
+                                        r"example_kwargs"):
+        remat.estimate(layer, x, cache=cache, example_kwargs={"cache": cache})
+    with pytest.raises(TypeError, match=r"example_kwargs=\[1\]\): expected a dict"):
+        remat.rematerialize(layer, x, example_kwargs=[1])
