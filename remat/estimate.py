@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import torch.nn as nn
@@ -84,14 +85,16 @@ def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, An
         >>> print(remat.estimate(model, batch).summary())
     """
     from .devices import step_device
-    from .module import _DEFAULTS, _rematerialize, example_call_kwargs
+    from .module import _OWN_OPTION, example_call_kwargs, rematerialize
 
     example_kwargs = example_call_kwargs(module, "estimate", {}, {}, example_kwargs, call_kwargs)
 
     step_device(module, example_args, example_kwargs, owner="estimate")  # before measuring
     # No limit: the unmodified step is what is reported (a percentage could be below it).
-    rm = _rematerialize(module, example_args, example_kwargs,
-                        **{**_DEFAULTS, "budget": _NO_LIMIT, "solver": "none"})
+    with warnings.catch_warnings():  # the options are estimate's, not the user's
+        warnings.filterwarnings("ignore", message=_OWN_OPTION, category=UserWarning)
+        rm = rematerialize(module, *example_args, budget=_NO_LIMIT, solver="none",
+                           example_kwargs=example_kwargs)
     plan = rm.plan
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     params += sum(b.numel() * b.element_size() for b in module.buffers())

@@ -542,14 +542,6 @@ def rematerialize(
              "step_peak_bytes": step_peak_bytes}
     example_kwargs = example_call_kwargs(module, "rematerialize", given, _DEFAULTS,
                                          example_kwargs, call_kwargs)
-    return _rematerialize(module, example_args, example_kwargs, **given)
-
-
-def _rematerialize(module: nn.Module, example_args: tuple, example_kwargs: dict[str, Any], *,
-                   budget: str | float | int | Budget, solver: str, time_limit: float,
-                   measure: bool, options: dict | None, cache: PlanCache | str | bool | None,
-                   eager_peak_bytes: int | None, step_peak_bytes: int | None) -> RematModule:
-    """:func:`rematerialize` with the example call's keyword arguments apart."""
     backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
                            options=options, cache=cache)
     step_device(module, example_args, example_kwargs)  # NOTE [ Devices remat can run on ]
@@ -574,6 +566,7 @@ def _rematerialize(module: nn.Module, example_args: tuple, example_kwargs: dict[
 # TypeError about plan cache directories). Such arguments go in ``example_kwargs={...}``;
 # giving one of these options while the module's forward also takes that name warns, saying
 # where it went and how to send it to the module instead.
+_OWN_OPTION = r".*sets remat's own option"  # the warning's words, for estimate's own call
 _DEFAULTS = {"budget": "70%", "solver": DEFAULT_SOLVER, "time_limit": 60.0, "measure": True,
              "options": None, "cache": True, "eager_peak_bytes": None, "step_peak_bytes": None}
 
