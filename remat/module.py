@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint as _checkpoint
 
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend
 from .budget import Budget
@@ -35,7 +36,7 @@ from .cache import PlanCache
 from .devices import step_device
 from .eager_only import EagerOnly, eager_only
 from .eager_step import eager_reference, eager_step
-from .errors import CaptureError, RematError
+from .errors import CaptureError, InfeasibleBudgetError, RematError
 from .failures import add_note, capture_error, own_failure
 from .plan import Plan
 from .state import preserve_state
@@ -282,6 +283,33 @@ class RematModule(nn.Module):
             raise RuntimeError("no plan yet: call the module once with gradients enabled")
         return plans[0]
 
+    def plan_for(self, budget: str | float | Budget, *, solver: str | None = None) -> Plan | None:
+        """The plan a solve of the example's graph under ``budget`` gives, the budget read as
+        ``rematerialize(budget=...)`` reads it (of this module's measured eager step); nothing
+        is compiled or swapped. ``None`` when no schedule fits. For sharing one step's budget
+        among several modules (NOTE [ One step budget over FSDP units ] in
+        ``integrations/_fsdp.py``).
+
+        Args:
+            budget: As :func:`rematerialize`'s.
+            solver: The solver (default: this module's; a module made with ``solver="none"``,
+                as :func:`remat.estimate` makes one, needs another).
+        """
+        from .budget import parse_budget
+        from .planner import plan_graph
+
+        backend = self._remat_backend
+        if not backend.graphs:
+            raise RuntimeError("no captured graph: this module runs its eager step "
+                               "(its budget fits it), so it has no other plan")
+        try:
+            plan, _ = plan_graph(backend.graphs[0], parse_budget(budget),
+                                 solver=solver or backend.solver, time_limit=backend.time_limit,
+                                 options=backend.options, reference=backend.shapes.reference)
+        except InfeasibleBudgetError:
+            return None
+        return plan
+
     def train(self, mode: bool = True) -> "RematModule":
         super().train(mode)
         self._remat_original.training = mode
@@ -371,7 +399,7 @@ class RematModule(nn.Module):
             entry, settled = (decisions[key], True) if key in decisions else self._decide(leaves)
             eager = entry is not None and backend.shapes.entries[entry].eager
             out = None if eager else self._run_compiled(entry, leaves, args, kwargs)
-        except RematError:
+        except (RematError, *_CONTROL_FLOW):
             raise
         except Exception as exc:  # noqa: BLE001 - dynamo/AOT failures become CaptureError
             error = capture_error(exc)
@@ -556,6 +584,12 @@ def rematerialize(
     plan = rm.capture(*example_args, **example_kwargs)
     rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]
     return rm
+
+
+# Exceptions that are torch's control flow, not failures: non-reentrant ``torch.utils.checkpoint``
+# around a RematModule stops its recomputation early by raising one through the forward.
+_CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(_checkpoint, "_StopRecomputationError", None),) if t)
 
 
 # NOTE [ Options that share a name with the model's ]
