@@ -39,7 +39,11 @@ NOTE [ One step budget over FSDP units ]
     reduce-scatter, the next unit's prefetched parameters) is not in that sum: a 4-layer Llama
     predicted at 0.498 of its step measured 0.552. So the plans are checked on a measured step
     (:func:`plan_units`' ``trial``), and a step over the budget plans again with the budget
-    lowered by what the prediction missed, at most ``_ROUNDS`` times.
+    lowered by what the prediction missed, at most ``_ROUNDS`` times. One more thing moves from
+    step to step: on 2 ranks identical steps measured 7.46, 7.71 and 8.25 MB, one unit's
+    unsharded gradients apart (0.79 MB), as the reduce-scatter that frees them finishes before
+    or after the next unit's backward peaks. The plans keep that much free
+    (:func:`gradient_reserve`), so no step goes over when the trial step was a lucky one.
 """
 from __future__ import annotations
 
@@ -54,11 +58,14 @@ from torch.utils._pytree import tree_leaves
 
 import remat
 from remat import RematModule
-from remat.budget import Budget
+from remat.budget import Budget, format_bytes
 from remat.cache import PlanCache, costs_key
+from remat.errors import RematError
 
-__all__ = ["StepShare", "UnitForward", "UnitPlans", "fsdp_units", "install", "plan_units",
-           "share_step_budget", "uninstall"]
+from integrations._remat_shared import Collectives
+
+__all__ = ["StepShare", "UnitForward", "UnitPlans", "fsdp2_line", "fsdp_units", "install",
+           "plan_units", "share_step_budget", "uninstall"]
 
 # Halvings of the fraction interval: 1/128 of the eager step is finer than the solvers' own
 # granularity on a unit (a few values), and each halving solves every distinct unit once.
@@ -142,13 +149,36 @@ def probe(unit: nn.Module, args: tuple, kwargs: dict) -> RematModule:
 
 def rematerialize_unit(unit: nn.Module, args: tuple, kwargs: dict, fraction: float, *,
                        solver: str, time_limit: float, cache: PlanCache,
-                       eager_peak_bytes: int) -> RematModule:
-    """``unit``'s forward rematerialized at ``fraction`` of its own eager step (a collective)."""
-    unit.unshard()
-    try:
+                       eager_peak_bytes: int, comm: Collectives) -> RematModule:
+    """``unit``'s forward rematerialized at ``fraction`` of its own eager step (a collective):
+    rank 0 measures and solves, the others take its op costs and plan from its cache (NOTE
+    [ Same plan on every rank ] in ``integrations/_remat_shared.py``)."""
+    def solve() -> RematModule:
         return remat.rematerialize(UnitForward(unit), *args, budget=fraction, solver=solver,
                                    time_limit=time_limit, cache=cache,
                                    eager_peak_bytes=eager_peak_bytes, example_kwargs=kwargs)
+
+    unit.unshard()
+    try:
+        rm, failure = None, None
+        if comm.rank == 0:
+            try:
+                rm = solve()
+            except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
+                failure = exc
+        shared = comm.broadcast(None if comm.rank else
+                                {"cache": cache.state_dict(),
+                                 "failure": None if failure is None else
+                                 f"{type(failure).__name__}: {failure}"})
+        if failure is not None:
+            raise failure
+        if comm.rank:
+            if shared["failure"] is not None:
+                raise RematError(f"rank 0 could not rematerialize this FSDP unit: "
+                                 f"{shared['failure']}")
+            cache.load_state_dict(shared["cache"])
+            rm = solve()
+        return rm
     finally:
         unit.reshard()
 
@@ -257,7 +287,8 @@ class UnitPlans:
 
 def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
                eager_step_bytes: int, budget_bytes: int, *, solver: str, time_limit: float,
-               cache: PlanCache, trial: Callable[[], int]) -> UnitPlans:
+               cache: PlanCache, trial: Callable[[], int],
+               comm: Collectives | None = None) -> UnitPlans:
     """Rematerialize every FSDP unit so that the whole step fits ``budget_bytes`` (NOTE [ One
     step budget over FSDP units ]) and install them (NOTE [ Remat inside an FSDP unit ]).
 
@@ -269,24 +300,54 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         solver, time_limit, cache: As :func:`remat.rematerialize`'s.
         trial: Runs one training step with the units as installed and returns its measured
             peak, leaving no trace (parameters, gradients, RNG).
+        comm: The other ranks: every rank calls this with its own measurements; rank 0's
+            decisions and plans are used by all, and every rank plans again when any rank's
+            trial step is over its budget (each unit's parameters are gathered, a collective,
+            the same number of times on every rank).
     """
+    comm = comm or Collectives()
+    reserve = gradient_reserve(units)
     probes = [probe(unit, *call) for unit, call in zip(units, calls)]
     inputs = [sum(x.nbytes for x in tree_leaves(call) if isinstance(x, torch.Tensor))
               for call in calls]
     missed, modules = 0, []
     for rounds in range(1, _ROUNDS + 1):
-        share = share_step_budget(probes, inputs, eager_step_bytes, budget_bytes - missed,
-                                  solver=solver)
+        share = comm.broadcast(None if comm.rank else share_step_budget(
+            probes, inputs, eager_step_bytes, budget_bytes - missed - reserve, solver=solver))
         modules = []
         for k, (unit, call, p) in enumerate(zip(units, calls, probes)):
             uninstall(unit)
             rm = rematerialize_unit(unit, *call, share.fraction, solver=solver,
                                     time_limit=time_limit, cache=cache,
-                                    eager_peak_bytes=p.plan.eager_bytes)
+                                    eager_peak_bytes=p.plan.eager_bytes, comm=comm)
             install(unit, rm, checkpointed=k < share.checkpointed)
             modules.append(rm)
         measured = trial()
-        if measured <= budget_bytes or not share.fits:
+        if comm.all_true(measured <= budget_bytes) or not share.fits:
             break
-        missed += measured - share.predicted_step_bytes
+        # what the prediction missed on the rank that missed most
+        missed += comm.all_max(max(0, measured - share.predicted_step_bytes))
     return UnitPlans(modules, share, measured, budget_bytes, rounds)
+
+
+def gradient_reserve(units: Sequence[nn.Module]) -> int:
+    """The largest unit's unsharded gradient bytes (a DTensor parameter's shape is the whole
+    tensor's): what a reduce-scatter still in flight may hold (NOTE [ One step budget over FSDP
+    units ])."""
+    return max((sum(p.numel() * p.element_size() for p in unit.parameters() if p.requires_grad)
+                for unit in units), default=0)
+
+
+def fsdp2_line(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
+    """One line a person reads: what the units run and what the step measured against its
+    budget and the unmodified step."""
+    share, n = planned.share, len(planned.modules)
+    kept = (f"{share.checkpointed} of {n} units keep only their inputs (run again in backward)"
+            if share.checkpointed else f"all {n} units keep what their schedules save")
+    return (f"{owner}: FSDP2: {kept}, each unit scheduled at {100 * share.fraction:.0f}% of its "
+            f"own step; measured step {format_bytes(planned.measured_step_bytes)} = "
+            f"{100 * planned.measured_step_bytes / max(eager_step_bytes, 1):.0f}% of the "
+            f"unmodified warmup step's {format_bytes(eager_step_bytes)} (budget "
+            f"{format_bytes(planned.budget_bytes)}, predicted "
+            f"{format_bytes(share.predicted_step_bytes)}; planned {planned.rounds} time"
+            f"{'s' if planned.rounds > 1 else ''})")

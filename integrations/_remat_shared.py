@@ -267,12 +267,14 @@ class Collectives:
         world_size: Number of processes.
         broadcast: ``broadcast(obj) -> obj`` from rank 0 (called on every rank).
         all_true: ``all_true(flag) -> bool``: whether ``flag`` holds on every rank.
+        all_max: ``all_max(number) -> number``: the largest of every rank's ``number``.
     """
 
     rank: int = 0
     world_size: int = 1
     broadcast: Callable[[Any], Any] = lambda obj: obj
     all_true: Callable[[bool], bool] = lambda flag: flag
+    all_max: Callable[[int], int] = lambda number: number
 
 
 def _label(name: str) -> str:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Sequence, Union
 
@@ -67,8 +68,10 @@ from torch.utils._pytree import tree_unflatten
 
 import remat
 from remat import Plan, RematModule
+from remat.budget import format_bytes
 from remat.cache import plan_cache_for
 
+from integrations._fsdp import fsdp2_line, fsdp_units, plan_units, uninstall
 from integrations._lightning_warnings import quiet_leafspec
 from integrations._remat_shared import (
     Collectives,
@@ -107,13 +110,42 @@ def _check_strategy(strategy: Any) -> None:
     unsupported = [n for n in names if n.startswith(("DeepSpeed", "XLA", "SingleDeviceXLA"))]
     if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not unsupported:
         return
+    if _is_fsdp2(strategy):
+        return  # tensor parallelism is refused once the mesh exists (_check_mesh)
+    if "FSDPStrategy" in names:
+        raise ValueError(
+            f"{_OWNER} does not support strategy={type(strategy).__name__} (FSDP1): it replaces "
+            "the parameters with flat buffers that remat cannot capture. Use FSDP2: "
+            "strategy=ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with "
+            "fully_shard(layer) for each layer, then fully_shard(model), in configure_model; "
+            "or keep FSDPStrategy(activation_checkpointing_policy=...) without the callback.")
     raise ValueError(
         f"{_OWNER} does not support strategy={type(strategy).__name__} yet: it supports one device "
-        "(strategy='auto') and data parallel strategies ('ddp', 'ddp_spawn', 'ddp_fork', ...). "
-        "Sharded strategies (FSDP, DeepSpeed, model parallel) shard or replace the parameters it "
-        "would capture. Remove the callback, or use the strategy's own activation checkpointing "
-        "(e.g. FSDPStrategy(activation_checkpointing_policy=...))."
+        "(strategy='auto'), data parallel strategies ('ddp', 'ddp_spawn', 'ddp_fork', ...) and "
+        "FSDP2 (ModelParallelStrategy with tensor_parallel_size=1). DeepSpeed and XLA shard or "
+        "replace the parameters it would capture. Remove the callback, or use the strategy's own "
+        "activation checkpointing."
     )
+
+
+def _is_fsdp2(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def _check_mesh(strategy: Any) -> None:
+    """NOTE [ Remat inside an FSDP unit ] needs whole parameters inside a unit: no tensor
+    parallelism."""
+    mesh = strategy.device_mesh
+    tp = mesh["tensor_parallel"].size() if "tensor_parallel" in (mesh.mesh_dim_names or ()) \
+        else 1
+    if tp > 1:
+        raise ValueError(
+            f"{_OWNER} does not support tensor parallelism (ModelParallelStrategy with "
+            f"tensor_parallel_size={tp}): a rematerialized FSDP unit needs its whole parameters. "
+            "Use ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) (FSDP2 "
+            "only), or remove the callback.")
 
 
 @contextlib.contextmanager
@@ -244,6 +276,7 @@ class HiRemateCallback(Callback):
         self.eager_peak_bytes: Optional[int] = None
         self.step_peak_bytes: Optional[int] = None
         self._swapped: list[tuple[Target, RematModule]] = []
+        self._fsdp2_units: list[torch.nn.Module] = []  # whose forward is ours
         self._measure_next_step = False
         self._first_step = StepMeter()
 
@@ -261,6 +294,8 @@ class HiRemateCallback(Callback):
         _check_strategy(trainer.strategy)
         self._restore()
         self.results, self.eager_peak_bytes, self.step_peak_bytes = {}, None, None
+        if _is_fsdp2(trainer.strategy):
+            return self._fit_start_fsdp2(trainer, pl_module)
         if self.settings.module is not None:
             targets = resolve_names(pl_module, self.settings.module, owner=_OWNER)
         else:
@@ -286,7 +321,8 @@ class HiRemateCallback(Callback):
                 return self._cannot(str(e))
             with preserved_state(pl_module), \
                     _silenced(pl_module, manual=not pl_module.automatic_optimization):
-                calls = self._warmup(trainer, pl_module, batch, targets)
+                calls = self._warmup(trainer, pl_module, self._on_device(trainer, pl_module, batch),
+                                     targets)
         del batch
         missing = [t.name for t in targets if t.name not in calls]
         explicit_missing = [t.name for t in targets if t.explicit and t.name in missing]
@@ -315,6 +351,78 @@ class HiRemateCallback(Callback):
             rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
                                         eager_peak_bytes=self.eager_peak_bytes))
         self._measure_next_step = self.settings.verbose and bool(self._swapped)
+
+    def _fit_start_fsdp2(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """NOTE [ Remat inside an FSDP unit ], NOTE [ One step budget over FSDP units ]."""
+        _check_mesh(trainer.strategy)
+        if self.settings.module is not None:
+            raise ValueError(
+                f"{_OWNER}(module={list(self.settings.module)!r}): under FSDP2 the callback "
+                "rematerializes every fully_shard unit inside the root; leave module= out")
+        roots, units = fsdp_units(pl_module)
+        if not units:
+            return self._cannot(
+                "no FSDP2 unit inside a root to rematerialize: in configure_model call "
+                "fully_shard(layer) for each layer (e.g. each decoder layer), then "
+                "fully_shard(model)" if roots else "the LightningModule has no fully_shard module")
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True) \
+                or not pl_module.automatic_optimization:
+            return self._cannot("the FSDP2 budget is measured on a whole training step, which "
+                                "needs automatic optimization and a batch argument")
+        targets = [Target(name, None, "", unit, False) for name, unit in units]
+        with isolated_rng():  # see NOTE [ A warmup step that leaves no trace ]
+            try:
+                batch = self._example_batch(trainer)
+            except CannotDrawBatch as e:
+                return self._cannot(str(e))
+            batch = self._on_device(trainer, pl_module, batch)
+            with preserved_state(pl_module), _silenced(pl_module, manual=False):
+                calls = self._warmup(trainer, pl_module, batch, targets)
+            missing = [t.name for t in targets if t.name not in calls]
+            if missing or self.eager_peak_bytes is None:
+                return self._cannot(f"training_step did not call the FSDP units "
+                                    f"{', '.join(missing)}" if missing else
+                                    "the warmup step's peak could not be measured")
+
+            def trial(batch: Any = batch) -> int:
+                with preserved_state(pl_module), _silenced(pl_module, manual=False):
+                    meter = StepMeter()
+                    self._run_step(trainer, pl_module, batch, meter)
+                return meter.peak_bytes or 0
+
+            budget = self.settings.budget.resolve(self.eager_peak_bytes)
+            comm = self._collectives(trainer)
+            started = time.perf_counter()
+            self._info(f"{_OWNER}: FSDP2: planning {len(units)} units for a step budget of "
+                       f"{format_bytes(budget)} ({self.settings.budget} of the warmup step's "
+                       f"{format_bytes(self.eager_peak_bytes)}) ...")
+            try:
+                with trainer.precision_plugin.train_step_context():
+                    planned = plan_units([u for _, u in units], [calls[n] for n, _ in units],
+                                         self.eager_peak_bytes, budget,
+                                         solver=self.settings.solver,
+                                         time_limit=self.settings.time_limit, cache=self.cache,
+                                         trial=trial, comm=comm)
+            except Exception:
+                for _, unit in units:
+                    uninstall(unit)
+                raise
+        del batch, calls
+        self._fsdp2_units = [u for _, u in units]
+        for (name, _), rm in zip(units, planned.modules):
+            self.results[name] = TargetResult(name, plan=rm.plan, plans=rm.plans,
+                                              capture_time_s=time.perf_counter() - started,
+                                              remat_module=rm)
+        self._info(fsdp2_line(planned, self.eager_peak_bytes, owner=_OWNER))
+        if not planned.fits:
+            self._warn(f"{_OWNER}: FSDP2: the step measured "
+                       f"{format_bytes(planned.measured_step_bytes)}, over its budget "
+                       f"{format_bytes(budget)}: this is the lowest the units' plans reach. "
+                       "Raise the budget or shrink the batch.")
+        if self.settings.verbose:
+            rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
+                                        eager_peak_bytes=self.eager_peak_bytes))
+        self._measure_next_step = self.settings.verbose
 
     def _skip_uncapturable(self, targets: list[Target]) -> dict[str, TargetResult]:
         """Targets that cannot be captured, known before any batch is read (an ODE block)."""
@@ -356,19 +464,26 @@ class HiRemateCallback(Callback):
     def _warmup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                 targets: list[Target]) -> dict[str, tuple[tuple, dict]]:
         """Run ``training_step`` on ``batch`` recording the targets' calls (and the eager peak)."""
-        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+        warmup = StepMeter()
+        with record_first_calls(targets) as calls:
+            self._run_step(trainer, pl_module, batch, warmup, watched=True)
+        self.eager_peak_bytes = warmup.peak_bytes
+        return dict(calls)
+
+    def _run_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                  meter: StepMeter, *, watched: bool = False) -> None:
+        """``training_step`` and its backward on ``batch`` (already on the device), measured by
+        ``meter``; the caller restores the state it changes."""
         args = (batch, 0) if is_param_in_hook_signature(pl_module.training_step, "batch_idx",
                                                          min_args=2) else (batch,)
         # The whole step's peak is what a percentage budget is of (NOTE [ Charging the rest of
         # the step ]); manual optimization stops at its first manual_backward, so not there.
         measure = pl_module.automatic_optimization
-        warmup = StepMeter()
-        with record_first_calls(targets) as calls, trainer.precision_plugin.train_step_context():
+        with trainer.precision_plugin.train_step_context():
             if measure:
-                warmup.start(trainer.strategy.root_device)
+                meter.start(trainer.strategy.root_device)
             try:
-                with self._watched(trainer, pl_module):
+                with self._watched(trainer, pl_module) if watched else contextlib.nullcontext():
                     output = pl_module.training_step(*args)
                 loss = _loss_of(output) if measure else None
                 if loss is not None:
@@ -377,9 +492,12 @@ class HiRemateCallback(Callback):
             except _StopWarmup:
                 pass
             finally:
-                warmup.stop()
-        self.eager_peak_bytes = warmup.peak_bytes
-        return dict(calls)
+                meter.stop()
+
+    @staticmethod
+    def _on_device(trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> Any:
+        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
     def _swap(self, pl_module: "pl.LightningModule", targets: list[Target]) -> None:
         keys = list(pl_module.state_dict())
@@ -395,6 +513,13 @@ class HiRemateCallback(Callback):
 
     def _restore(self) -> None:
         """Put the original modules back (end of fit, or an error)."""
+        if self._fsdp2_units:  # NOTE [ Remat inside an FSDP unit ]: nothing was swapped
+            for unit in self._fsdp2_units:
+                uninstall(unit)
+            self._fsdp2_units = []
+            for result in self.results.values():
+                if result.remat_module is not None:
+                    result.plans, result.remat_module = result.remat_module.plans, None
         while self._swapped:
             target, rm = self._swapped.pop()
             if getattr(target.parent, target.attr, None) is rm:
@@ -414,10 +539,15 @@ class HiRemateCallback(Callback):
         strategy = trainer.strategy
         if trainer.world_size <= 1:
             return Collectives()
+        def all_max(number: int) -> int:
+            value = torch.tensor(float(number), dtype=torch.float64, device=strategy.root_device)
+            return int(strategy.reduce(value, reduce_op="max").item())
+
         return Collectives(
             rank=trainer.global_rank, world_size=trainer.world_size,
             broadcast=lambda obj: strategy.broadcast(obj, src=0),
             all_true=lambda flag: bool(strategy.reduce_boolean_decision(flag, all=True)),
+            all_max=all_max,
         )
 
     def _info(self, message: str) -> None:

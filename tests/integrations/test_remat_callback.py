@@ -382,6 +382,32 @@ def test_sharded_strategies_are_refused():
         name = type(strategy).__name__
         with pytest.raises(ValueError, match=f"does not support strategy={name}"):
             callback.setup(SimpleNamespace(strategy=strategy), None, "fit")
+    with pytest.raises(ValueError, match=r"\(FSDP1\).*Use FSDP2: strategy=ModelParallelStrategy"):
+        callback.setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")
+
+
+def test_fsdp2_is_taken_and_tensor_parallelism_refused():
+    """Issue 33: FSDP2 (``ModelParallelStrategy``) passes the strategy check; a mesh with a
+    tensor-parallel dimension over 1 is refused, naming the supported layout."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from integrations.remat_callback import _check_mesh
+
+    HiRemateCallback().setup(SimpleNamespace(strategy=ModelParallelStrategy()), None, "fit")
+
+    class Mesh:
+        mesh_dim_names = ("data_parallel", "tensor_parallel")
+
+        def __init__(self, tp):
+            self.tp = tp
+
+        def __getitem__(self, name):
+            return SimpleNamespace(size=lambda: self.tp if name == "tensor_parallel" else 2)
+
+    _check_mesh(SimpleNamespace(device_mesh=Mesh(1)))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\): a rematerialized FSDP unit "
+                                         r"needs its whole parameters.*tensor_parallel_size=1"):
+        _check_mesh(SimpleNamespace(device_mesh=Mesh(2)))
 
 
 DDP_SCRIPT = textwrap.dedent("""
