@@ -71,6 +71,11 @@ __all__ = ["StepShare", "UnitForward", "UnitPlans", "fsdp2_line", "fsdp_units", 
 # granularity on a unit (a few values), and each halving solves every distinct unit once.
 _BISECTIONS = 7
 _NO_LIMIT = Budget(bytes=2**62, text="no limit")  # a probe: capture and measure, no solve
+# The search prices each fraction with the chain DP: on a Llama layer it gives the hierarchical
+# solver's peak and saved bytes (within 3%) in 0.04 s instead of 1.2 s, and a search solves a
+# few dozen fractions. The units' plans are then solved with the user's solver, and the trial
+# step checks what they measure.
+_SEARCH_SOLVER = "dp"
 # Plans checked on a measured step (NOTE [ One step budget over FSDP units ]): a first miss
 # teaches what FSDP holds beyond the prediction; a second round seldom misses again.
 _ROUNDS = 3
@@ -307,13 +312,20 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
     """
     comm = comm or Collectives()
     reserve = gradient_reserve(units)
-    probes = [probe(unit, *call) for unit, call in zip(units, calls)]
+    probes, seen = [], {}
+    for unit, call in zip(units, calls):
+        # identical layers called alike have one graph: probed once (a capture each is seconds)
+        same = _likeness(unit, call)
+        if same not in seen:
+            seen[same] = probe(unit, *call)
+        probes.append(seen[same])
     inputs = [sum(x.nbytes for x in tree_leaves(call) if isinstance(x, torch.Tensor))
               for call in calls]
     missed, modules = 0, []
     for rounds in range(1, _ROUNDS + 1):
         share = comm.broadcast(None if comm.rank else share_step_budget(
-            probes, inputs, eager_step_bytes, budget_bytes - missed - reserve, solver=solver))
+            probes, inputs, eager_step_bytes, budget_bytes - missed - reserve,
+            solver=_SEARCH_SOLVER))
         modules = []
         for k, (unit, call, p) in enumerate(zip(units, calls, probes)):
             uninstall(unit)
@@ -328,6 +340,22 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         # what the prediction missed on the rank that missed most
         missed += comm.all_max(max(0, measured - share.predicted_step_bytes))
     return UnitPlans(modules, share, measured, budget_bytes, rounds)
+
+
+def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:
+    """What a unit's captured graph depends on: its class, its parameters' and buffers' shapes
+    and dtypes, and its call (tensors by shape, dtype, strides and ``requires_grad``; other
+    values as they are)."""
+    def describe(x: object) -> object:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.dtype, x.stride(), x.requires_grad)
+        return repr(x)
+
+    tensors = [(name, tuple(t.shape), t.dtype, t.requires_grad)
+               for name, t in [*unit.named_parameters(), *unit.named_buffers()]]
+    return (type(unit), tuple(tensors), tuple(describe(x) for x in tree_leaves(call[0])),
+            tuple(sorted((k, tuple(describe(x) for x in tree_leaves(v)))
+                         for k, v in call[1].items())))
 
 
 def gradient_reserve(units: Sequence[nn.Module]) -> int:
