@@ -96,6 +96,35 @@ def bucket(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(1 << max(0, math.ceil(math.log2(max(s, 1)))) for s in sizes)
 
 
+# The integer functions of PyTorch's size expressions (``torch.utils._sympy.functions``), as
+# Python computes them: a Llama layer's sizes hold ``FloorDiv`` (half the rotary dimension), and
+# without them evaluating its bytes at a new batch length raised ``NameError: FloorDiv`` inside
+# the training step.
+_INTEGER_FUNCTIONS = {
+    "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b,
+    "CeilDiv": lambda a, b: -(-a // b), "ModularIndexing": lambda x, d, m: (x // d) % m,
+    "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
+    "IntTrueDiv": lambda a, b: a / b, "FloatTrueDiv": lambda a, b: a / b,
+    "FloorToInt": math.floor, "CeilToInt": math.ceil, "TruncToInt": math.trunc,
+    "RoundToInt": round, "PowByNatural": lambda a, b: a ** b, "FloatPow": lambda a, b: a ** b,
+    "Identity": lambda x: x, "ToFloat": float, "Max": max, "Min": min,
+    "LShift": lambda a, b: a << b, "RShift": lambda a, b: a >> b,
+}
+
+
+def size_evaluator(symbols: Sequence[str], exprs: Sequence[object]):
+    """A function of the symbols' values (in ``symbols``' order) returning every size
+    expression's value, PyTorch's integer functions included (``FloorDiv``...)."""
+    import sympy
+
+    syms = [sympy.Symbol(s, integer=True, positive=True) for s in symbols]
+    by_name = {s.name: s for s in syms}
+    exprs = [e.xreplace({f: by_name[f.name] for f in e.free_symbols}) for e in exprs]
+    if not exprs:
+        return lambda *values: []
+    return sympy.lambdify(syms, exprs, modules=[_INTEGER_FUNCTIONS, "math"])
+
+
 class SizedGraph:
     """A profiled graph whose byte sizes and times can be evaluated at other sizes.
 
@@ -108,18 +137,13 @@ class SizedGraph:
 
     def __init__(self, graph: RematGraph, size_exprs: Sequence[object], symbols: Sequence[str],
                  sizes: Sequence[int]) -> None:
-        import sympy
-
         self.graph = graph
         self.symbols = tuple(symbols)
         self.sizes = tuple(int(s) for s in sizes)
         dynamic = [(i, e) for i, e in enumerate(size_exprs) if not isinstance(e, int)]
         unique = list(dict.fromkeys(e for _, e in dynamic))
         self._slots = [(i, unique.index(e)) for i, e in dynamic]
-        syms = [sympy.Symbol(s, integer=True, positive=True) for s in self.symbols]
-        by_name = {s.name: s for s in syms}
-        exprs = [e.xreplace({f: by_name[f.name] for f in e.free_symbols}) for e in unique]
-        self._evaluate = sympy.lambdify(syms, exprs, modules="math") if exprs else (lambda *a: [])
+        self._evaluate = size_evaluator(self.symbols, unique)
         self._cache: dict[tuple[int, ...], RematGraph] = {self.sizes: graph}
 
     def nbytes_at(self, sizes: Sequence[int]) -> list[int]:

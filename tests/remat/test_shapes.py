@@ -468,3 +468,23 @@ def test_graphs_compiled_by_dynamo_name_their_sizes_by_symbol():
     summary = backend.shapes.summary()
     assert re.fullmatch(r"size (s\d+)=256  schedule 1 \(solved at size \1=256\): .* KiB", summary), \
         summary
+
+
+def test_size_expressions_with_pytorchs_integer_functions_evaluate():
+    """A Llama layer's sizes hold ``FloorDiv``: evaluating its bytes at a new batch length raised
+    ``NameError: name 'FloorDiv' is not defined`` inside a training step (an FSDP2 run with
+    dynamic padding). Every integer function of PyTorch's size expressions evaluates as Python
+    computes it."""
+    import sympy
+    from torch.utils._sympy.functions import CleanDiv, FloorDiv, ModularIndexing, PythonMod
+
+    from remat.sizes import size_evaluator
+
+    s0, s1 = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("s1", integer=True,
+                                                                           positive=True)
+    exprs = [4 * FloorDiv(s0, 2) * s1, ModularIndexing(s0, 2, 4), CleanDiv(2 * s1, 2),
+             PythonMod(s0 + s1, 3), sympy.Max(s0, s1)]
+    evaluate = size_evaluator(["s0", "s1"], exprs)
+    for a, b in ((7, 3), (93, 64), (1, 1)):
+        assert [int(v) for v in evaluate(a, b)] == \
+            [4 * (a // 2) * b, (a // 2) % 4, b, (a + b) % 3, max(a, b)]
