@@ -172,13 +172,8 @@ class PlanCache:
         entry = self._entries.get(key)
         if entry is None and self.directory is not None:
             path = self.directory / f"{key}.json"
-            if not path.exists():
-                return None
-            try:
-                entry = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                warnings.warn(f"remat: ignoring unreadable plan cache file {path}: {exc}",
-                              stacklevel=2)
+            entry = _read(path, "plan cache")
+            if entry is None:
                 return None
             problem = _malformed(entry)
             if problem:
@@ -220,15 +215,7 @@ class PlanCache:
         ``num_ops`` well-formed ones."""
         entry = self._costs.get(key)
         if entry is None and self.directory is not None:
-            path = self.directory / _COSTS / f"{key}.json"
-            if not path.exists():
-                return None
-            try:
-                entry = json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                warnings.warn(f"remat: ignoring unreadable op costs file {path}: {exc}",
-                              stacklevel=2)
-                return None
+            entry = _read(self.directory / _COSTS / f"{key}.json", "op costs")
         if not isinstance(entry, dict) or entry.get("version") != _VERSION or \
                 entry.get("machine") != machine:
             return None
@@ -296,6 +283,18 @@ class PlanCache:
         costs = state.get("costs", {})
         if isinstance(costs, dict):  # checked against the graph when read (get_costs)
             self._costs.update({k: e for k, e in costs.items() if isinstance(e, dict)})
+
+
+def _read(path: Path, what: str) -> Any:
+    """The JSON in ``path``, or ``None`` when there is no such file or it cannot be read (which
+    warns: a bad file never stops a run)."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"remat: ignoring unreadable {what} file {path}: {exc}", stacklevel=4)
+        return None
 
 
 def _malformed(entry: Any) -> str:
