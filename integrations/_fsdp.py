@@ -123,7 +123,7 @@ def install(unit: nn.Module, rm: RematModule, *, checkpointed: bool = False) -> 
     """Run ``rm`` as ``unit``'s forward, inside FSDP's hooks; ``checkpointed``: keeping only its
     inputs, run again in backward (NOTE [ One step budget over FSDP units ])."""
     run = _checkpointed_forward if checkpointed else _remat_forward
-    unit.__dict__["forward"] = functools.partial(run, rm)
+    unit.__dict__["forward"] = functools.partial(run, unit, rm)
 
 
 def uninstall(unit: nn.Module) -> None:
@@ -131,13 +131,17 @@ def uninstall(unit: nn.Module) -> None:
     unit.__dict__.pop("forward", None)
 
 
-def _remat_forward(rm: RematModule, *args: Any, **kwargs: Any) -> Any:
+def _remat_forward(unit: nn.Module, rm: RematModule, *args: Any, **kwargs: Any) -> Any:
+    if rm.training != unit.training:  # model.eval() reaches the unit, not rm (unregistered)
+        rm.train(unit.training)
     return rm(*args, **kwargs)
 
 
-def _checkpointed_forward(rm: RematModule, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(unit: nn.Module, rm: RematModule, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
+    if rm.training != unit.training:
+        rm.train(unit.training)
     return checkpoint(rm, *args, use_reentrant=False, **kwargs)
 
 

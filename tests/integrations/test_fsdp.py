@@ -83,6 +83,11 @@ SCENARIO = textwrap.dedent("""
                              solver="hierarchical", time_limit=60, cache=remat.PlanCache(),
                              trial=trial)
     losses, peaks, grads = train(model, 3)
+    model.eval()  # reaches the units, which hand it to their rematerialized forwards
+    with torch.no_grad():
+        loss_of(model)
+    eval_follows = all(not rm.training and not rm.original.training for rm in plans.modules)
+    model.train()
     same_keys = list(model.state_dict()) == keys
     for _, unit in units:
         _fsdp.uninstall(unit)
@@ -95,6 +100,7 @@ SCENARIO = textwrap.dedent("""
         "predicted": plans.share.predicted_step_bytes, "fraction": plans.share.fraction,
         "checkpointed": plans.share.checkpointed, "rounds": plans.rounds,
         "same_keys": same_keys, "restored": all("forward" not in u.__dict__ for _, u in units),
+        "eval_follows": eval_follows,
     }))
     dist.destroy_process_group()
 """)
@@ -118,7 +124,7 @@ def test_every_fsdp2_unit_is_rematerialized_under_one_step_budget():
     out = run_scenario(0.5)
     assert out["roots"] == [""] and out["units"] == [f"model.layers.{k}" for k in range(4)]
     assert out["losses"] == out["eager_losses"] and out["grads_equal"]
-    assert out["same_keys"] and out["restored"]
+    assert out["same_keys"] and out["restored"] and out["eval_follows"]
     assert out["checkpointed"] >= 1  # the units' own schedules do not reach half the step
     assert out["measured"] <= out["budget"]
     eager = max(out["eager_peaks"])
