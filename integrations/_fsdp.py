@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_leaves
 
 import remat
 from remat import RematModule
-from remat.budget import Budget, format_bytes
+from remat.budget import NO_LIMIT, format_bytes
 from remat.cache import PlanCache, costs_key
 from remat.errors import RematError
 
@@ -70,7 +70,6 @@ __all__ = ["StepShare", "UnitForward", "UnitPlans", "fsdp2_line", "fsdp_units", 
 # Halvings of the fraction interval: 1/128 of the eager step is finer than the solvers' own
 # granularity on a unit (a few values), and each halving solves every distinct unit once.
 _BISECTIONS = 7
-_NO_LIMIT = Budget(bytes=2**62, text="no limit")  # a probe: capture and measure, no solve
 # The search prices each fraction with the chain DP: on a Llama layer it gives the hierarchical
 # solver's peak and saved bytes (within 3%) in 0.04 s instead of 1.2 s, and a search solves a
 # few dozen fractions. The units' plans are then solved with the user's solver, and the trial
@@ -150,7 +149,7 @@ def probe(unit: nn.Module, args: tuple, kwargs: dict) -> RematModule:
     (a collective: every rank gathers the unit's parameters)."""
     unit.unshard()
     try:
-        return remat.rematerialize(UnitForward(unit), *args, budget=_NO_LIMIT, solver="none",
+        return remat.rematerialize(UnitForward(unit), *args, budget=NO_LIMIT, solver="none",
                                    cache=False, example_kwargs=kwargs)
     finally:
         unit.reshard()

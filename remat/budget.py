@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-__all__ = ["Budget", "Reference", "parse_budget", "format_bytes"]
+__all__ = ["Budget", "NO_LIMIT", "Reference", "parse_budget", "format_bytes"]
 
 # Decimal and binary units, case-insensitive; "B" alone means bytes.
 _UNITS = {
@@ -139,6 +139,11 @@ class Reference:
 
 def _reject(name: str, value: object, why: str) -> ValueError:
     return ValueError(f"{name}={value!r}: {why}; pass {_ACCEPTED}")
+
+
+# A budget nothing exceeds: the unmodified step is captured and measured (remat.estimate, the
+# FSDP2 probes), with ``solver="none"`` nothing is solved.
+NO_LIMIT = Budget(bytes=2**62, text="no limit")
 
 
 def parse_budget(value: str | float | int | Budget, *, name: str = "budget") -> Budget:

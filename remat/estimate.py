@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .budget import Budget, format_bytes
+from .budget import NO_LIMIT, format_bytes
 
 __all__ = ["MemoryReport", "estimate"]
 
@@ -93,7 +93,7 @@ def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, An
     # No limit: the unmodified step is what is reported (a percentage could be below it).
     with warnings.catch_warnings():  # the options are estimate's, not the user's
         warnings.filterwarnings("ignore", message=_OWN_OPTION, category=UserWarning)
-        rm = rematerialize(module, *example_args, budget=_NO_LIMIT, solver="none",
+        rm = rematerialize(module, *example_args, budget=NO_LIMIT, solver="none",
                            example_kwargs=example_kwargs)
     plan = rm.plan
     params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -107,6 +107,3 @@ def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, An
         num_ops=plan.num_ops,
         eager_peak_bytes=plan.eager_bytes,
     )
-
-
-_NO_LIMIT = Budget(bytes=2**62, text="no limit")

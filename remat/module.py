@@ -21,6 +21,7 @@ registered) to be compiled and to serve calls that need no backward (``no_grad``
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -601,8 +602,9 @@ _CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
 # giving one of these options while the module's forward also takes that name warns, saying
 # where it went and how to send it to the module instead.
 _OWN_OPTION = r".*sets remat's own option"  # the warning's words, for estimate's own call
-_DEFAULTS = {"budget": "70%", "solver": DEFAULT_SOLVER, "time_limit": 60.0, "measure": True,
-             "options": None, "cache": True, "eager_peak_bytes": None, "step_peak_bytes": None}
+# rematerialize's own options and their defaults, read from its signature
+_DEFAULTS = {name: p.default for name, p in inspect.signature(rematerialize).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and name != "example_kwargs"}
 
 
 def example_call_kwargs(module: nn.Module, owner: str, given: dict[str, Any],
@@ -611,8 +613,6 @@ def example_call_kwargs(module: nn.Module, owner: str, given: dict[str, Any],
     """The example call's keyword arguments: ``call_kwargs`` and ``example_kwargs`` (a dict, no
     name in both), after warning about options in ``given`` that the module's forward also
     takes (NOTE [ Options that share a name with the model's ])."""
-    import inspect
-
     if example_kwargs is None:
         example_kwargs = {}
     elif not isinstance(example_kwargs, dict):
