@@ -195,8 +195,13 @@ def measure_op_times(
             timed = _wall_timer(op_index, samples, faults, may_fault, rerun, reruns, rerun_faults)
         else:
             timed = _cuda_timer(op_index, samples)
-        for _ in range(repeats):
-            run(_keying(op_index, keys, timed))
+        for repeat in range(repeats):
+            wanted = None if repeat == 0 else _undersampled(keys, (samples, faults),
+                                                            (reruns, rerun_faults))
+            if wanted is not None and not any(wanted):
+                break  # NOTE [ Enough samples ]
+            run(_keying(op_index, keys, timed if wanted is None else
+                        _timing_only(op_index, wanted, timed)))
     times = _pooled_prices(samples, keys, faults)
     rerun_times = _pooled_prices(reruns, keys, rerun_faults)
     # an op never re-run (backward, random, on CUDA) costs its own time if it ever is
@@ -309,6 +314,47 @@ _FAULT_BYTES = 256 * 1024
 # (two of the three the same schedule). Pooling (NOTE [ Ops that do the same work cost the
 # same ]) gives most ops dozens of samples to take it from. What is left of the noise is
 # absorbed by the plan cache (NOTE [ The same plan every run ] in ``remat/cache.py``).
+
+
+# NOTE [ Enough samples ]
+# Every repeat ran the whole step op by op, each recomputable forward op twice (NOTE [ What a
+# recomputation costs ]): three repeats of a 4-layer GPT took 2.7 s of a 12 s setup whose step
+# runs in 0.3 s. Pooling gives an op of a repeated layer one sample per layer and repeat, so
+# after a repeat or two its work key has the samples its fastest one needs; only the ops short
+# of ``_ENOUGH_SAMPLES`` clean samples (the embedding and the loss head, in a single copy) are
+# timed again, the others just run to compute what the next ops read. Repeats stop once every
+# key has enough.
+_ENOUGH_SAMPLES = 8
+
+
+def _undersampled(keys: list[object], *measured: tuple[list[list[float]], list[list[int]]]
+                  ) -> list[bool]:
+    """Per op: whether its work key has fewer than ``_ENOUGH_SAMPLES`` fault-free samples in
+    any of ``measured`` (times, page faults) pairs that time it at all."""
+    groups = [key if key is not None else ("op", k) for k, key in enumerate(keys)]
+    short: set[object] = set()
+    for samples, faults in measured:
+        count: dict[object, int] = {}
+        timed: set[object] = set()
+        for k, group in enumerate(groups):
+            if samples[k]:
+                timed.add(group)
+            counts = faults[k] or [0] * len(samples[k])  # none counted on CUDA
+            count[group] = count.get(group, 0) + sum(1 for f in counts if f == 0)
+        short.update(g for g in timed if count[g] < _ENOUGH_SAMPLES)
+    return [group in short for group in groups]
+
+
+def _timing_only(op_index: dict, wanted: list[bool], timed):
+    """``timed`` for the ops ``wanted``; the others run untimed (NOTE [ Enough samples ])."""
+
+    def run(node, args, kwargs):
+        k = op_index.get(node)
+        if k is not None and wanted[k]:
+            return timed(node, args, kwargs)
+        return node.target(*args, **kwargs)
+
+    return run
 
 
 def _pooled_prices(samples: list[list[float]], keys: list[object],

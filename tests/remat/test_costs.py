@@ -66,6 +66,37 @@ def test_ops_that_do_the_same_work_share_one_price():
         assert len(times) == 1 and min(times) > 0, (kind, times)
 
 
+def test_repeats_time_only_the_ops_short_of_samples(monkeypatch):
+    # NOTE [ Enough samples ]: an op of 8 identical layers has 8 samples after one repeat; only
+    # the single loss op is timed in the later repeats, and every op still gets a price.
+    import remat.costs as costs
+
+    counts: dict[str, int] = {}
+    real = costs._wall_timer
+
+    def counting(op_index, *rest):
+        timed = real(op_index, *rest)
+
+        def run(node, args, kwargs):
+            counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+            return timed(node, args, kwargs)
+        return run
+
+    monkeypatch.setattr(costs, "_wall_timer", counting)
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())]
+    model, x = nn.Sequential(*layers, Squared()), torch.randn(512, 64)
+    rm = remat.rematerialize(model, x, budget="90%", options={"progress": False})
+    assert counts["aten.tanh.default"] == 8, counts  # one repeat of 8 layers: enough
+    assert counts["aten.sum.default"] == 3, counts  # one op: timed in every repeat
+    assert all(op.time > 0 for op in rm.graphs[0].ops if op.signature.startswith("aten.tanh"))
+
+
+class Squared(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum()
+
+
 def test_the_work_key_sees_strides_and_constants():
     from remat.costs import _work_key
 
