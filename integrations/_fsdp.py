@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,10 +63,12 @@ from remat.budget import NO_LIMIT, format_bytes
 from remat.cache import PlanCache, costs_key
 from remat.errors import RematError
 
-from integrations._remat_shared import Collectives
+from integrations._remat_shared import Collectives, RematSettings, Target, TargetResult
+from integrations._warmup import record_first_calls
 
-__all__ = ["StepShare", "UnitForward", "UnitPlans", "fsdp2_line", "fsdp_units", "install",
-           "plan_units", "share_step_budget", "uninstall"]
+__all__ = ["StepShare", "UnitForward", "UnitPlans", "Unplannable", "fsdp2_line", "fsdp2_miss",
+           "fsdp_units", "install", "plan_units", "rematerialize_fsdp2", "share_step_budget",
+           "uninstall", "units_to_plan"]
 
 # Halvings of the fraction interval: 1/128 of the eager step is finer than the solvers' own
 # granularity on a unit (a few values), and each halving solves every distinct unit once.
@@ -92,6 +95,83 @@ def fsdp_units(root: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple
         inside = any(name.startswith(f"{r}.") or r == "" for r, _ in roots)
         (units if inside else roots).append((name, module))
     return roots, units
+
+
+class Unplannable(Exception):
+    """Why the FSDP2 units cannot be planned (the caller trains unmodified, or raises when
+    strict)."""
+
+
+def units_to_plan(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP2 units of ``root`` to rematerialize (:func:`fsdp_units`).
+
+    Raises:
+        Unplannable: when ``root`` holds no ``fully_shard`` unit inside a root.
+    """
+    roots, units = fsdp_units(root)
+    if not units:
+        raise Unplannable(
+            "no FSDP2 unit inside a root to rematerialize: call fully_shard(layer) for each layer "
+            "(e.g. each decoder layer), then fully_shard(model)" if roots else
+            f"{type(root).__name__} has no fully_shard module")
+    return units
+
+
+def rematerialize_fsdp2(units: Sequence[tuple[str, nn.Module]],
+                        step: Callable[[bool], int | None],
+                        settings: RematSettings, cache: PlanCache, *,
+                        comm: Collectives | None = None,
+                        info: Callable[[str], None] = lambda message: None,
+                        owner: str) -> tuple[UnitPlans, int, dict[str, TargetResult]]:
+    """Plan and install every unit of ``units`` for one whole-step budget on each rank: what the
+    Lightning callback and the Accelerate plugin both run (NOTE [ One step budget over FSDP
+    units ]).
+
+    Args:
+        units: ``(name, unit)`` in the order they run (:func:`units_to_plan`).
+        step: ``step(warmup)`` runs one whole training step (forward, loss, backward) on the
+            example batch and returns its measured peak (``None``: not measurable), leaving no
+            trace: the unmodified warmup step (``True``; the units' calls are recorded), then
+            each trial step (``False``).
+        settings: The validated settings (budget, solver, time limit).
+        cache, comm: The plan cache and the other ranks.
+        info: Where progress lines go.
+        owner: Who speaks in messages (``HiRemateCallback``...).
+
+    Returns:
+        The plans, the unmodified step's measured peak, and a result per unit.
+
+    Raises:
+        Unplannable: the step did not call every unit, or its peak could not be measured.
+    """
+    targets = [Target(name, None, "", unit, False) for name, unit in units]
+    with record_first_calls(targets) as recorded:
+        eager = step(True)
+    calls = dict(recorded)
+    missing = [t.name for t in targets if t.name not in calls]
+    if missing:
+        raise Unplannable(f"the training step did not call the FSDP units {', '.join(missing)}")
+    if not eager:
+        raise Unplannable("the warmup step's peak could not be measured (a torch.profiler "
+                          "session is running?)")
+    budget = settings.budget.resolve(eager)
+    started = time.perf_counter()
+    info(f"{owner}: FSDP2: planning {len(units)} units for a step budget of "
+         f"{format_bytes(budget)} ({settings.budget} of the warmup step's "
+         f"{format_bytes(eager)}) ...")
+    try:
+        planned = plan_units([u for _, u in units], [calls[n] for n, _ in units], eager, budget,
+                             solver=settings.solver, time_limit=settings.time_limit,
+                             cache=cache, trial=lambda: step(False) or 0, comm=comm)
+    except BaseException:
+        for _, unit in units:
+            uninstall(unit)
+        raise
+    seconds = time.perf_counter() - started
+    results = {name: TargetResult(name, plan=rm.plan, plans=rm.plans, capture_time_s=seconds,
+                                  remat_module=rm)
+               for (name, _), rm in zip(units, planned.modules)}
+    return planned, eager, results
 
 
 class UnitForward(nn.Module):
@@ -382,3 +462,10 @@ def fsdp2_line(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
             f"{format_bytes(planned.budget_bytes)}, predicted "
             f"{format_bytes(share.predicted_step_bytes)}; planned {planned.rounds} time"
             f"{'s' if planned.rounds > 1 else ''})")
+
+
+def fsdp2_miss(planned: UnitPlans, *, owner: str) -> str:
+    """The warning when even the lowest plans measured over the budget."""
+    return (f"{owner}: FSDP2: the step measured {format_bytes(planned.measured_step_bytes)}, "
+            f"over its budget {format_bytes(planned.budget_bytes)}: this is the lowest the "
+            "units' plans reach. Raise the budget or shrink the batch.")

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Sequence, Union
 
@@ -68,10 +67,16 @@ from torch.utils._pytree import tree_unflatten
 
 import remat
 from remat import Plan, RematModule
-from remat.budget import format_bytes
 from remat.cache import plan_cache_for
 
-from integrations._fsdp import fsdp2_line, fsdp_units, plan_units, uninstall
+from integrations._fsdp import (
+    Unplannable,
+    fsdp2_line,
+    fsdp2_miss,
+    rematerialize_fsdp2,
+    uninstall,
+    units_to_plan,
+)
 from integrations._lightning_warnings import quiet_leafspec
 from integrations._remat_shared import (
     Collectives,
@@ -359,66 +364,41 @@ class HiRemateCallback(Callback):
             raise ValueError(
                 f"{_OWNER}(module={list(self.settings.module)!r}): under FSDP2 the callback "
                 "rematerializes every fully_shard unit inside the root; leave module= out")
-        roots, units = fsdp_units(pl_module)
-        if not units:
-            return self._cannot(
-                "no FSDP2 unit inside a root to rematerialize: in configure_model call "
-                "fully_shard(layer) for each layer (e.g. each decoder layer), then "
-                "fully_shard(model)" if roots else "the LightningModule has no fully_shard module")
+        try:
+            units = units_to_plan(pl_module)
+        except Unplannable as e:
+            return self._cannot(f"{e} in configure_model")
         if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True) \
                 or not pl_module.automatic_optimization:
             return self._cannot("the FSDP2 budget is measured on a whole training step, which "
                                 "needs automatic optimization and a batch argument")
-        targets = [Target(name, None, "", unit, False) for name, unit in units]
         with isolated_rng():  # see NOTE [ A warmup step that leaves no trace ]
             try:
                 batch = self._example_batch(trainer)
             except CannotDrawBatch as e:
                 return self._cannot(str(e))
             batch = self._on_device(trainer, pl_module, batch)
-            with preserved_state(pl_module), _silenced(pl_module, manual=False):
-                calls = self._warmup(trainer, pl_module, batch, targets)
-            missing = [t.name for t in targets if t.name not in calls]
-            if missing or self.eager_peak_bytes is None:
-                return self._cannot(f"training_step did not call the FSDP units "
-                                    f"{', '.join(missing)}" if missing else
-                                    "the warmup step's peak could not be measured")
 
-            def trial(batch: Any = batch) -> int:
+            def step(warmup: bool, batch: Any = batch) -> int | None:
+                # the other callbacks watch the warmup step, not the trials
                 with preserved_state(pl_module), _silenced(pl_module, manual=False):
                     meter = StepMeter()
-                    self._run_step(trainer, pl_module, batch, meter)
-                return meter.peak_bytes or 0
+                    self._run_step(trainer, pl_module, batch, meter, watched=warmup)
+                return meter.peak_bytes
 
-            budget = self.settings.budget.resolve(self.eager_peak_bytes)
-            comm = self._collectives(trainer)
-            started = time.perf_counter()
-            self._info(f"{_OWNER}: FSDP2: planning {len(units)} units for a step budget of "
-                       f"{format_bytes(budget)} ({self.settings.budget} of the warmup step's "
-                       f"{format_bytes(self.eager_peak_bytes)}) ...")
             try:
                 with trainer.precision_plugin.train_step_context():
-                    planned = plan_units([u for _, u in units], [calls[n] for n, _ in units],
-                                         self.eager_peak_bytes, budget,
-                                         solver=self.settings.solver,
-                                         time_limit=self.settings.time_limit, cache=self.cache,
-                                         trial=trial, comm=comm)
-            except Exception:
-                for _, unit in units:
-                    uninstall(unit)
-                raise
-        del batch, calls
+                    planned, self.eager_peak_bytes, results = rematerialize_fsdp2(
+                        units, step, self.settings, self.cache,
+                        comm=self._collectives(trainer), info=self._info, owner=_OWNER)
+            except Unplannable as e:
+                return self._cannot(str(e))
+        del batch, step  # the batch and the recorded calls
         self._fsdp2_units = [u for _, u in units]
-        for (name, _), rm in zip(units, planned.modules):
-            self.results[name] = TargetResult(name, plan=rm.plan, plans=rm.plans,
-                                              capture_time_s=time.perf_counter() - started,
-                                              remat_module=rm)
+        self.results.update(results)
         self._info(fsdp2_line(planned, self.eager_peak_bytes, owner=_OWNER))
         if not planned.fits:
-            self._warn(f"{_OWNER}: FSDP2: the step measured "
-                       f"{format_bytes(planned.measured_step_bytes)}, over its budget "
-                       f"{format_bytes(budget)}: this is the lowest the units' plans reach. "
-                       "Raise the budget or shrink the batch.")
+            self._warn(fsdp2_miss(planned, owner=_OWNER))
         if self.settings.verbose:
             rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
                                         eager_peak_bytes=self.eager_peak_bytes))
