@@ -57,7 +57,7 @@ from integrations.accelerate import (
     HiRematePlugin,
     _attach,
     _original,
-    _rematerialize_prepared,
+    _prepare,
 )
 
 __all__ = ["LaunchRecord", "main", "rematerialize_every_accelerator", "run_script"]
@@ -134,12 +134,13 @@ def rematerialize_every_accelerator(plugin: HiRematePlugin) -> Iterator[LaunchRe
     def prepare(self: Accelerator, *args: Any, device_placement: Optional[list] = None) -> Any:
         record.prepare_calls += 1
         record.model_calls += any(isinstance(obj, nn.Module) for obj in args)
-        if not isinstance(self, HiRemateAccelerator):  # that one rematerializes in its prepare
-            if getattr(self, "hiremate_plugin", None) is not plugin:
-                _attach(self, plugin)
-            args = _rematerialize_prepared(self, list(args), device_placement, owner=_OWNER,
-                                           advice=_NO_LOADER_ADVICE)
-        return original_prepare(self, *args, device_placement=device_placement)
+        if isinstance(self, HiRemateAccelerator):  # that one rematerializes in its prepare
+            return original_prepare(self, *args, device_placement=device_placement)
+        if getattr(self, "hiremate_plugin", None) is not plugin:
+            _attach(self, plugin)
+        return _prepare(self, list(args), device_placement,
+                        functools.partial(original_prepare, self), owner=_OWNER,
+                        advice=_NO_LOADER_ADVICE)
 
     @functools.wraps(original_unwrap)
     def unwrap_model(self: Accelerator, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:

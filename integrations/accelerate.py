@@ -42,6 +42,21 @@ NOTE [ Wrapping order ]
     ``HiRemateAccelerator.unwrap_model`` returns the original). With ``module="name"`` only that
     submodule is swapped, in place, and your model object stays what it was.
 
+NOTE [ FSDP2 under Accelerate ]
+    With ``fsdp_version: 2`` ``prepare`` itself shards the model (``fully_shard`` on each layer
+    its auto-wrap policy names, then on the model), so the model is rematerialized *after*
+    ``prepare``, the other way round from NOTE [ Wrapping order ]: every FSDP unit gets a
+    rematerialized forward inside FSDP's hooks and the units share one budget for the whole step
+    on each rank (NOTE [ Remat inside an FSDP unit ] and NOTE [ One step budget over FSDP
+    units ] in ``integrations/_fsdp.py``, the code the Lightning callback runs too). The step
+    measured is the model's forward and backward on the example batch (its loss, or the sum of
+    its outputs). A model sharded by hand (``fully_shard`` before ``rematerialize_for_accelerate``
+    or ``HiRemateAccelerator.rematerialize``) takes the same path under any process group; that
+    is how it is tested on CPUs, where Accelerate runs no FSDP. Nothing in the module tree is
+    replaced: the model, its ``state_dict`` keys and the optimizer's parameters stay FSDP's.
+    FSDP1, DeepSpeed, tensor/context parallelism and FSDP's own activation checkpointing are
+    refused with the reason and the supported alternative.
+
 NOTE [ Measuring the first step of a loop we do not own ]
     Like ``HiRemateCallback``, the summary after ``prepare`` gives the measured peak of the
     unmodified warmup step (the model's forward and backward on the example batch, which its
@@ -92,6 +107,14 @@ import remat
 from remat import PlanCache, RematModule
 from remat.cache import CACHE_OFF, plan_cache_for
 
+from integrations._fsdp import (
+    Unplannable,
+    fsdp2_line,
+    fsdp2_miss,
+    fsdp_units,
+    rematerialize_fsdp2,
+    units_to_plan,
+)
 from integrations._remat_shared import (
     Collectives,
     RematSettings,
@@ -264,18 +287,38 @@ def _parse_env(name: str, key: str, raw: str) -> Any:
 
 def _check_supported(accelerator: Accelerator, owner: str = _OWNER) -> None:
     kind = accelerator.distributed_type
-    if kind not in _SUPPORTED:
+    if kind == DistributedType.FSDP and not _is_fsdp2(accelerator):
+        raise ValueError(
+            f"{owner}: FSDP1 (fsdp_version: 1) is not supported: it flattens the parameters into "
+            "buffers remat cannot capture. Use FSDP2: fsdp_version: 2 in the Accelerate config "
+            "(or FullyShardedDataParallelPlugin(fsdp_version=2)); each layer the auto-wrap "
+            "policy shards is then rematerialized, under one budget for the whole step.")
+    if kind == DistributedType.FSDP and accelerator.state.fsdp_plugin.activation_checkpointing:
+        raise ValueError(
+            f"{owner}: fsdp_activation_checkpointing: true checkpoints every FSDP unit already; "
+            "remat plans the units itself under the budget. Turn one off: unset "
+            "fsdp_activation_checkpointing, or unset HIREMATE_BUDGET.")
+    if kind == DistributedType.DEEPSPEED:
+        raise ValueError(
+            f"{owner}: DeepSpeed is not supported: ZeRO-3 partitions the parameters and gathers "
+            "them in hooks remat cannot capture (ZeRO-1/2 are not planned for either). Use "
+            "FSDP2 (fsdp_version: 2 in the Accelerate config), whose units remat rematerializes "
+            "under one step budget; or unset HIREMATE_BUDGET and use DeepSpeed's activation "
+            "checkpointing.")
+    if kind not in _SUPPORTED and kind != DistributedType.FSDP:
         allowed = ", ".join(f"{k.value} ({v})" for k, v in _SUPPORTED.items())
         raise ValueError(
-            f"{owner}: distributed_type={kind.value} is not supported yet; supported: {allowed}. "
-            "Sharded setups (DeepSpeed, FSDP, Megatron-LM) shard or replace the parameters remat "
-            "captures: unset HIREMATE_BUDGET and use their own activation checkpointing."
+            f"{owner}: distributed_type={kind.value} is not supported yet; supported: {allowed}, "
+            "and FSDP2 (fsdp_version: 2). Megatron-LM and XLA shard or replace the parameters "
+            "remat captures: unset HIREMATE_BUDGET and use their own activation checkpointing."
         )
     config = getattr(accelerator, "parallelism_config", None)
     if config is not None and (getattr(config, "tp_enabled", False) or
                                getattr(config, "cp_enabled", False)):
-        raise ValueError(f"{owner}: tensor/context parallelism is not supported yet; unset "
-                         "HIREMATE_BUDGET or disable it in the parallelism config")
+        raise ValueError(f"{owner}: tensor/context parallelism is not supported yet: a "
+                         "rematerialized unit needs its whole parameters. Unset HIREMATE_BUDGET "
+                         "or disable it in the parallelism config (FSDP2 data parallelism alone "
+                         "is supported)")
     backend = getattr(getattr(accelerator.state, "dynamo_plugin", None), "backend", None)
     if backend is not None and getattr(backend, "value", backend) != "NO":
         raise ValueError(
@@ -283,6 +326,12 @@ def _check_supported(accelerator: Accelerator, owner: str = _OWNER) -> None:
             "model a second time; remat compiles it itself. Launch without --dynamo_backend "
             "(or pass dynamo_backend='no')."
         )
+
+
+def _is_fsdp2(accelerator: Accelerator) -> bool:
+    """Whether ``prepare`` shards models with FSDP2 (Accelerate does so on GPUs only)."""
+    return accelerator.distributed_type == DistributedType.FSDP and \
+        getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
 
 
 def _batch_problem(batch: Any) -> Optional[str]:
@@ -316,8 +365,11 @@ def _collectives(accelerator: Accelerator) -> Collectives:
     def all_true(flag: bool) -> bool:
         return all(gather_object([bool(flag)]))
 
+    def all_max(number: int) -> int:
+        return max(gather_object([number]))
+
     return Collectives(rank=accelerator.process_index, world_size=accelerator.num_processes,
-                       broadcast=broadcast, all_true=all_true)
+                       broadcast=broadcast, all_true=all_true, all_max=all_max)
 
 
 # What the unmodified warmup step ran, for the summary (NOTE [ Measuring the first step of a loop
@@ -398,6 +450,8 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__}: expected an nn.Module")
     _check_supported(accelerator, owner)
+    if fsdp_units(model)[0]:
+        return _rematerialize_fsdp2(accelerator, model, batch, settings, cache, owner=owner)
     main = accelerator.is_main_process
     wrapped = isinstance(model, nn.parallel.DistributedDataParallel)
     base = model.module if wrapped else model
@@ -473,12 +527,56 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
     return model, results
 
 
+def _rematerialize_fsdp2(accelerator: Accelerator, model: nn.Module, batch: Any,
+                         settings: RematSettings, cache: PlanCache, *, owner: str
+                         ) -> tuple[nn.Module, dict[str, TargetResult]]:
+    """NOTE [ FSDP2 under Accelerate ]: every unit of the FSDP2-sharded ``model`` planned for one
+    budget of the whole step on each rank; returns ``model`` itself."""
+    if settings.module is not None:
+        raise ValueError(f"{owner}(module={list(settings.module)!r}): under FSDP2 every "
+                         "fully_shard unit inside the root is rematerialized; leave module= "
+                         "(HIREMATE_MODULE) out")
+    main = accelerator.is_main_process
+    try:
+        units = units_to_plan(model)
+    except Unplannable as e:
+        if settings.strict:
+            raise ValueError(f"{owner}: {e}") from e
+        if main:
+            warnings.warn(f"{owner}: the model trains unmodified (strict=False): {e}",
+                          stacklevel=4)
+        return model, {}
+    params = list(model.parameters())
+    batch = send_to_device(batch, params[0].device if params else accelerator.device)
+    args, kwargs = _call_args(batch, owner)
+
+    def step(warmup: bool) -> int:
+        # forward and backward of the model's loss (or outputs' sum), as the user's loop runs it
+        return remat.measure_eager_step(model, *args, **kwargs)
+
+    def info(message: str) -> None:
+        if settings.verbose and main:
+            log.info(message)
+
+    with isolated_rng(), accelerator.autocast():  # NOTE [ A warmup step that leaves no trace ]
+        planned, eager, results = rematerialize_fsdp2(
+            units, step, settings, cache, comm=_collectives(accelerator), info=info, owner=owner)
+    info(fsdp2_line(planned, eager, owner=owner))
+    if not planned.fits and main:
+        warnings.warn(fsdp2_miss(planned, owner=owner), stacklevel=4)
+    if settings.verbose and main:
+        log.info(format_table(results, settings, owner=owner, eager_peak_bytes=eager,
+                              eager_detail=_EAGER_DETAIL))
+    return model, results
+
+
 def rematerialize_for_accelerate(accelerator: Accelerator, model: nn.Module, batch: Any,
                                  plugin: Optional[HiRematePlugin] = None) -> nn.Module:
     """Rematerialize ``model`` for training with your own ``Accelerator``.
 
-    Call it before ``accelerator.prepare(model, ...)`` (see NOTE [ Wrapping order ]). Under DDP
-    call it on every process: rank 0 solves and the others reuse its plan.
+    Call it before ``accelerator.prepare(model, ...)`` (see NOTE [ Wrapping order ]); on a model
+    you sharded with ``fully_shard`` yourself, after sharding (NOTE [ FSDP2 under Accelerate ]).
+    Under DDP or FSDP2 call it on every process: rank 0 solves and the others reuse its plan.
 
     Args:
         accelerator: Your ``Accelerator`` (device, mixed precision, processes).
@@ -521,8 +619,9 @@ def rematerialize_for_accelerate(accelerator: Accelerator, model: nn.Module, bat
 #     launcher (``python -m integrations.accelerate``, which wraps ``Accelerator.prepare`` for
 #     every instance: see ``integrations/_accelerate_launch.py``) run the same code. ``_attach``
 #     gives an accelerator the state ``prepare`` needs (``hiremate_plugin``, ``hiremate_results``
-#     and a plan cache), ``_rematerialize_prepared`` rematerializes the modules among
-#     ``prepare``'s arguments, ``_original`` is what ``unwrap_model`` adds. Every model either
+#     and a plan cache), ``_prepare`` runs Accelerate's ``prepare`` with the modules among its
+#     arguments rematerialized (before it, or after it under FSDP2), ``_original`` is what
+#     ``unwrap_model`` adds. Every model either
 #     way (or ``rematerialize_for_accelerate``) has handled is marked ``_hiremate_done``, and the
 #     launcher leaves ``HiRemateAccelerator`` instances to their own ``prepare``, so nothing is
 #     rematerialized twice.
@@ -548,10 +647,12 @@ def _rematerialize_one(accelerator: Accelerator, model: nn.Module, batch: Any, *
     return result
 
 
-def _rematerialize_prepared(accelerator: Accelerator, args: list,
-                            device_placement: Optional[list], *, owner: str,
-                            advice: str) -> list:
-    """``prepare``'s arguments with their models rematerialized on the first batch of a loader.
+def _prepare(accelerator: Accelerator, args: list, device_placement: Optional[list],
+             prepare: Any, *, owner: str, advice: str) -> Any:
+    """``prepare(*args, device_placement=...)`` (Accelerate's own) with the models among
+    ``args`` rematerialized on the first batch of a loader: before ``prepare`` wraps them (NOTE
+    [ Wrapping order ]), or, where ``prepare`` shards them with FSDP2, after (NOTE [ FSDP2
+    under Accelerate ]).
 
     See NOTE [ The example batch in prepare() ]; ``advice`` says what to do when ``prepare`` sees
     no DataLoader.
@@ -559,11 +660,27 @@ def _rematerialize_prepared(accelerator: Accelerator, args: list,
     todo = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
             and not getattr(obj, "_hiremate_done", False)
             and not getattr(obj, "_is_accelerate_prepared", False)]
-    if not todo:
-        return args
+    batch = _example_batch(accelerator, args, owner=owner, advice=advice) if todo else None
+    if batch is None:
+        return prepare(*args, device_placement=device_placement)
+    if _is_fsdp2(accelerator):
+        prepared = prepare(*args, device_placement=device_placement)
+        result = list(prepared) if len(args) > 1 else [prepared]
+        for i in todo:
+            result[i] = _rematerialize_one(accelerator, result[i], batch, owner=owner)
+        return tuple(result) if len(args) > 1 else result[0]
+    for i in todo:
+        placement = None if device_placement is None else device_placement[i]
+        args[i] = _rematerialize_one(accelerator, args[i], batch, owner=owner,
+                                     device_placement=placement)
+    return prepare(*args, device_placement=device_placement)
+
+
+def _example_batch(accelerator: Accelerator, args: list, *, owner: str, advice: str) -> Any:
+    """The first batch of the first loader among ``args`` (or prepared before), one process's
+    share; ``None`` (with a warning) when there is none to use and ``strict`` is off."""
     loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
     loaders = loaders or list(accelerator._dataloaders)
-    settings = accelerator.hiremate_plugin.settings
     try:
         if not loaders:
             raise CannotDrawBatch("prepare() got no DataLoader to read an example batch from "
@@ -573,20 +690,16 @@ def _rematerialize_prepared(accelerator: Accelerator, args: list,
         if _batch_problem(batch) is not None:  # a script left as it is keeps training
             raise CannotDrawBatch(f"its first batch does not fit: {_batch_problem(batch)}")
     except CannotDrawBatch as e:
-        if settings.strict:
+        if accelerator.hiremate_plugin.settings.strict:
             raise ValueError(f"{owner}: {e}") from e
         if accelerator.is_main_process:
             warnings.warn(f"{owner}: the model trains unmodified (strict=False): {e}",
-                          stacklevel=3)
-        return args
+                          stacklevel=4)
+        return None
     if accelerator.split_batches and accelerator.num_processes > 1:
         share = find_batch_size(batch) // accelerator.num_processes
         batch = slice_tensors(batch, slice(0, share))
-    for i in todo:
-        placement = None if device_placement is None else device_placement[i]
-        args[i] = _rematerialize_one(accelerator, args[i], batch, owner=owner,
-                                     device_placement=placement)
-    return args
+    return batch
 
 
 def _original(model: nn.Module) -> nn.Module:
@@ -615,7 +728,7 @@ class HiRemateAccelerator(Accelerator):
 
     Raises:
         ValueError: malformed ``HIREMATE_*`` variables, or a distributed setup that is not
-            supported (DeepSpeed, FSDP, Megatron-LM, XLA, tensor parallelism, dynamo backend).
+            supported (DeepSpeed, FSDP1, Megatron-LM, XLA, tensor parallelism, dynamo backend).
 
     Example:
         >>> accelerator = HiRemateAccelerator(hiremate_plugin=HiRematePlugin(budget="50%"))
@@ -658,12 +771,11 @@ class HiRemateAccelerator(Accelerator):
 
         See NOTE [ The example batch in prepare() ] and NOTE [ Wrapping order ].
         """
-        if self.hiremate_plugin is not None:
-            args = _rematerialize_prepared(
-                self, list(args), device_placement, owner=_OWNER,
-                advice="pass the training DataLoader in the same prepare() call, or call "
-                       "accelerator.rematerialize(model, batch) first")
-        return super().prepare(*args, device_placement=device_placement)
+        if self.hiremate_plugin is None:
+            return super().prepare(*args, device_placement=device_placement)
+        return _prepare(self, list(args), device_placement, super().prepare, owner=_OWNER,
+                        advice="pass the training DataLoader in the same prepare() call, or "
+                               "call accelerator.rematerialize(model, batch) first")
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:

@@ -273,11 +273,21 @@ def test_plugin_fields_are_validated(kwargs, error, match):
         HiRematePlugin(**kwargs)
 
 
-@pytest.mark.parametrize("kind", [DistributedType.DEEPSPEED, DistributedType.FSDP,
-                                  DistributedType.XLA], ids=lambda k: k.value)
-def test_sharded_setups_are_refused(kind):
-    fake = SimpleNamespace(distributed_type=kind)
-    with pytest.raises(ValueError, match=f"distributed_type={kind.value} is not supported yet"):
+def _fake(kind, version=1, checkpointing=False):
+    plugin = SimpleNamespace(fsdp_version=version, activation_checkpointing=checkpointing)
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+
+
+@pytest.mark.parametrize("fake, match", [
+    (_fake(DistributedType.DEEPSPEED), r"DeepSpeed is not supported: ZeRO-3 .* Use FSDP2 "
+                                       r"\(fsdp_version: 2"),
+    (_fake(DistributedType.FSDP), r"FSDP1 \(fsdp_version: 1\) is not supported.*Use FSDP2"),
+    (_fake(DistributedType.FSDP, 2, True), r"fsdp_activation_checkpointing: true .* Turn one off"),
+    (_fake(DistributedType.XLA), r"distributed_type=XLA is not supported yet; .*FSDP2"),
+], ids=["deepspeed", "fsdp1", "fsdp2-with-fsdp-checkpointing", "xla"])
+def test_sharded_setups_are_refused_with_the_supported_alternative(fake, match):
+    """Issue 33 item 5: each refusal says why and what works instead."""
+    with pytest.raises(ValueError, match=match):
         rematerialize_for_accelerate(fake, Net(), torch.zeros(2, IN), HiRematePlugin())
 
 
