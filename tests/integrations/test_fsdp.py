@@ -334,3 +334,14 @@ def test_accelerate_fsdp2_under_torchrun_keeps_every_ranks_step_under_the_budget
         eager = max(plain[rank]["peaks"])
         assert max(ours[rank]["peaks"]) <= 0.55 * eager, (rank, ours[rank]["peaks"], eager)
     assert plain[0]["losses"] != plain[1]["losses"]
+
+
+def test_a_model_without_fsdp2_units_is_unplannable_with_the_fix():
+    """The callback and the plugin say what to call (then train unmodified, or raise when
+    strict) when the model holds no ``fully_shard`` unit."""
+    import torch.nn as nn
+
+    from integrations._fsdp import Unplannable, units_to_plan
+
+    with pytest.raises(Unplannable, match=r"Sequential has no fully_shard module"):
+        units_to_plan(nn.Sequential(nn.Linear(2, 2)))
