@@ -540,11 +540,7 @@ def _rematerialize_fsdp2(accelerator: Accelerator, model: nn.Module, batch: Any,
     try:
         units = units_to_plan(model)
     except Unplannable as e:
-        if settings.strict:
-            raise ValueError(f"{owner}: {e}") from e
-        if main:
-            warnings.warn(f"{owner}: the model trains unmodified (strict=False): {e}",
-                          stacklevel=4)
+        _train_unmodified(accelerator, settings, e, owner=owner)
         return model, {}
     params = list(model.parameters())
     batch = send_to_device(batch, params[0].device if params else accelerator.device)
@@ -676,6 +672,17 @@ def _prepare(accelerator: Accelerator, args: list, device_placement: Optional[li
     return prepare(*args, device_placement=device_placement)
 
 
+def _train_unmodified(accelerator: Accelerator, settings: RematSettings, why: Exception, *,
+                      owner: str) -> None:
+    """Raise ``why`` as a ``ValueError`` when ``strict``; else warn (main process) that the model
+    trains unmodified."""
+    if settings.strict:
+        raise ValueError(f"{owner}: {why}") from why
+    if accelerator.is_main_process:
+        warnings.warn(f"{owner}: the model trains unmodified (strict=False): {why}",
+                      stacklevel=5)
+
+
 def _example_batch(accelerator: Accelerator, args: list, *, owner: str, advice: str) -> Any:
     """The first batch of the first loader among ``args`` (or prepared before), one process's
     share; ``None`` (with a warning) when there is none to use and ``strict`` is off."""
@@ -690,11 +697,7 @@ def _example_batch(accelerator: Accelerator, args: list, *, owner: str, advice: 
         if _batch_problem(batch) is not None:  # a script left as it is keeps training
             raise CannotDrawBatch(f"its first batch does not fit: {_batch_problem(batch)}")
     except CannotDrawBatch as e:
-        if accelerator.hiremate_plugin.settings.strict:
-            raise ValueError(f"{owner}: {e}") from e
-        if accelerator.is_main_process:
-            warnings.warn(f"{owner}: the model trains unmodified (strict=False): {e}",
-                          stacklevel=4)
+        _train_unmodified(accelerator, accelerator.hiremate_plugin.settings, e, owner=owner)
         return None
     if accelerator.split_batches and accelerator.num_processes > 1:
         share = find_batch_size(batch) // accelerator.num_processes
