@@ -39,11 +39,23 @@ NOTE [ One step budget over FSDP units ]
     reduce-scatter, the next unit's prefetched parameters) is not in that sum: a 4-layer Llama
     predicted at 0.498 of its step measured 0.552. So the plans are checked on a measured step
     (:func:`plan_units`' ``trial``), and a step over the budget plans again with the budget
-    lowered by what the prediction missed, at most ``_ROUNDS`` times. One more thing moves from
-    step to step: on 2 ranks identical steps measured 7.46, 7.71 and 8.25 MB, one unit's
-    unsharded gradients apart (0.79 MB), as the reduce-scatter that frees them finishes before
-    or after the next unit's backward peaks. The plans keep that much free
-    (:func:`gradient_reserve`), so no step goes over when the trial step was a lucky one.
+    lowered by what the step missed by, at most ``_ROUNDS`` times.
+
+NOTE [ Buffers gloo's workers release late ]
+    On CPU, FSDP2's collectives run on gloo, whose worker threads hold each collective's work
+    (and so its buffers: a unit's all-gathered parameters, the clone of its unsharded gradients
+    that a reduce-scatter reduces) until they drop it after the collective completes. When the
+    calling thread lets go of a buffer first, it is freed where and when the worker drops the
+    work: at once on an idle machine, a few milliseconds later when the worker waits for a core.
+    First, that free is missing from the profiler's record, so a step seemed to keep the buffer
+    to its end: identical steps read 6.84-8.42 MB on a 4-layer Llama, 0.79 MB (one unit's
+    unsharded parameters) apart. ``track_memory`` now puts those frees back (NOTE [ Frees in
+    other threads ] in ``remat/memory.py``) and identical steps read the same on an idle
+    machine. Second, beside a busy neighbour the buffer really lives on while the next unit's
+    backward allocates: one step in a few dozen measured one such buffer above the rest (7.50
+    then 8.29 MB). So on CPU the trial step must fit with one unit's unsharded parameters to
+    spare (:func:`late_release_bytes`). NCCL on CUDA releases these buffers in the calling
+    thread (FSDP2 holds them until it has waited on the collective): no headroom there.
 """
 from __future__ import annotations
 
@@ -360,6 +372,8 @@ class UnitPlans:
         measured_step_bytes: The trial step's measured peak with them.
         budget_bytes: The step budget on this rank.
         rounds: How many times the units were planned.
+        late_bytes: Headroom the step keeps for buffers collectives release late (NOTE
+            [ Buffers gloo's workers release late ]).
     """
 
     modules: list[RematModule]
@@ -367,10 +381,11 @@ class UnitPlans:
     measured_step_bytes: int
     budget_bytes: int
     rounds: int
+    late_bytes: int = 0
 
     @property
     def fits(self) -> bool:
-        return self.measured_step_bytes <= self.budget_bytes
+        return self.measured_step_bytes + self.late_bytes <= self.budget_bytes
 
 
 def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
@@ -394,7 +409,6 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             the same number of times on every rank).
     """
     comm = comm or Collectives()
-    reserve = gradient_reserve(units)
     probes, seen = [], {}
     for unit, call in zip(units, calls):
         # identical layers called alike have one graph: probed once (a capture each is seconds)
@@ -404,11 +418,11 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         probes.append(seen[same])
     inputs = [sum(x.nbytes for x in tree_leaves(call) if isinstance(x, torch.Tensor))
               for call in calls]
-    missed, modules = 0, []
+    late = late_release_bytes(units)
+    target, modules = budget_bytes, []
     for rounds in range(1, _ROUNDS + 1):
         share = comm.broadcast(None if comm.rank else share_step_budget(
-            probes, inputs, eager_step_bytes, budget_bytes - missed - reserve,
-            solver=_SEARCH_SOLVER))
+            probes, inputs, eager_step_bytes, target, solver=_SEARCH_SOLVER))
         modules = []
         for k, (unit, call, p) in enumerate(zip(units, calls, probes)):
             uninstall(unit)
@@ -418,11 +432,13 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             install(unit, rm, checkpointed=k < share.checkpointed)
             modules.append(rm)
         measured = trial()
-        if comm.all_true(measured <= budget_bytes) or not share.fits:
+        # by how much the rank that missed most went over (NOTE [ Buffers gloo's workers
+        # release late ]); every rank plans again for the same lower target
+        over = comm.all_max(measured + late - budget_bytes)
+        if over <= 0 or not share.fits:
             break
-        # what the prediction missed on the rank that missed most
-        missed += comm.all_max(max(0, measured - share.predicted_step_bytes))
-    return UnitPlans(modules, share, measured, budget_bytes, rounds)
+        target -= over
+    return UnitPlans(modules, share, measured, budget_bytes, rounds, late)
 
 
 def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:
@@ -441,12 +457,13 @@ def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:
                          for k, v in call[1].items())))
 
 
-def gradient_reserve(units: Sequence[nn.Module]) -> int:
-    """The largest unit's unsharded gradient bytes (a DTensor parameter's shape is the whole
-    tensor's): what a reduce-scatter still in flight may hold (NOTE [ One step budget over FSDP
-    units ])."""
-    return max((sum(p.numel() * p.element_size() for p in unit.parameters() if p.requires_grad)
-                for unit in units), default=0)
+def late_release_bytes(units: Sequence[nn.Module]) -> int:
+    """On CPU, the largest unit's unsharded parameter bytes (a DTensor parameter's shape is the
+    whole tensor's): what a gloo worker may hold after the step let go of it (NOTE [ Buffers
+    gloo's workers release late ]); 0 elsewhere."""
+    return max((sum(p.numel() * p.element_size() for p in unit.parameters())
+                for unit in units
+                if all(p.device.type == "cpu" for p in unit.parameters())), default=0)
 
 
 def fsdp2_line(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
@@ -459,13 +476,18 @@ def fsdp2_line(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
             f"own step; measured step {format_bytes(planned.measured_step_bytes)} = "
             f"{100 * planned.measured_step_bytes / max(eager_step_bytes, 1):.0f}% of the "
             f"unmodified warmup step's {format_bytes(eager_step_bytes)} (budget "
-            f"{format_bytes(planned.budget_bytes)}, predicted "
+            f"{format_bytes(planned.budget_bytes)}{_headroom(planned)}, predicted "
             f"{format_bytes(share.predicted_step_bytes)}; planned {planned.rounds} time"
             f"{'s' if planned.rounds > 1 else ''})")
+
+
+def _headroom(planned: UnitPlans) -> str:
+    return (f" with {format_bytes(planned.late_bytes)} kept for buffers gloo releases late"
+            if planned.late_bytes else "")
 
 
 def fsdp2_miss(planned: UnitPlans, *, owner: str) -> str:
     """The warning when even the lowest plans measured over the budget."""
     return (f"{owner}: FSDP2: the step measured {format_bytes(planned.measured_step_bytes)}, "
-            f"over its budget {format_bytes(planned.budget_bytes)}: this is the lowest the "
-            "units' plans reach. Raise the budget or shrink the batch.")
+            f"over its budget {format_bytes(planned.budget_bytes)}{_headroom(planned)}: "
+            "this is the lowest the units' plans reach. Raise the budget or shrink the batch.")

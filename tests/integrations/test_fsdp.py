@@ -219,27 +219,26 @@ def run_ranks(tmp_path: Path, name: str, source: str, argv: list[str], *,
     proc = subprocess.run([sys.executable, *launcher, str(script), *argv], capture_output=True,
                           text=True, timeout=1800, env=full, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = [json.loads(line.split("RESULT ", 1)[1])
-               for line in (proc.stdout + proc.stderr).splitlines() if "RESULT " in line]
+    # each rank prints its line in one write, but torchrun's relay may join two on one line
+    text, decoder = proc.stdout + proc.stderr, json.JSONDecoder()
+    results = [decoder.raw_decode(chunk)[0] for chunk in text.split("RESULT ")[1:]]
     return {r["rank"]: r for r in results}
 
 
 @pytest.mark.timeout(900)
 def test_lightning_fsdp2_keeps_every_ranks_step_under_the_budget(tmp_path):
     """Issue 33: ``HiRemateCallback(budget="50%")`` under ``ModelParallelStrategy`` on 2 CPU
-    ranks (gloo), each rank on its own batches: every step of every rank measures near half
-    of the same FSDP2 run's step without remat, with the same losses, bit for bit.
-
-    Known miss (issue 33): the same plans measure 6.84-8.42 MB from step to step (16.20 MB
-    without remat), in quanta of two hidden-state tensors, as under Accelerate below: 0.471 at
-    most in three runs, 0.520 on one step of a CI run. The bound is the 0.55 every run met."""
+    ranks (gloo), each rank on its own batches: every step of every rank measures at most half
+    of the same FSDP2 run's step without remat (2% for the measurement), with the same losses,
+    bit for bit. (Before NOTE [ Frees in other threads ], gloo's unrecorded frees made the
+    same plans read 6.84-8.42 MB from step to step.)"""
     pytest.importorskip("transformers")
     plain, ours = fit_fsdp2(tmp_path, "none"), fit_fsdp2(tmp_path, "50%")
     assert sorted(plain) == sorted(ours) == [0, 1]
     for rank in (0, 1):
         assert ours[rank]["losses"] == plain[rank]["losses"] and len(ours[rank]["losses"]) == 5
         eager = max(plain[rank]["peaks"])
-        assert max(ours[rank]["peaks"]) <= 0.55 * eager, (rank, ours[rank]["peaks"], eager)
+        assert max(ours[rank]["peaks"]) <= 0.5 * eager * 1.02, (rank, ours[rank]["peaks"], eager)
     assert plain[0]["losses"] != plain[1]["losses"]  # the ranks did see different batches
 
 
@@ -322,12 +321,7 @@ def test_accelerate_fsdp2_under_torchrun_keeps_every_ranks_step_under_the_budget
     """Issue 33 item 2: ``HIREMATE_BUDGET=50%`` and ``rematerialize_for_accelerate`` on an FSDP2
     model (each decoder layer, then the root) on 2 ranks: the losses bit for bit, the model
     still FSDP's with its own state_dict keys, every step of every rank near half of the same
-    run's without remat.
-
-    Known miss (issue 33): under torchrun the same plans measured 6.84-8.42 MB from step to
-    step (a 16.20 MB step without remat), in quanta of two hidden-state tensors, so a step can
-    reach 0.52 where the trial step measured 0.47; the issue's 0.51 holds in most runs, not in
-    all, so the bound here is the 0.55 every run met."""
+    run's without remat."""
     pytest.importorskip("transformers")
     plain, ours = launch_accelerate(tmp_path, ""), launch_accelerate(tmp_path, "50%")
     assert sorted(plain) == sorted(ours) == [0, 1]
@@ -335,7 +329,7 @@ def test_accelerate_fsdp2_under_torchrun_keeps_every_ranks_step_under_the_budget
         assert ours[rank]["losses"] == plain[rank]["losses"]
         assert ours[rank]["same_keys"] and ours[rank]["type"] == "FSDPLlamaForCausalLM"
         eager = max(plain[rank]["peaks"])
-        assert max(ours[rank]["peaks"]) <= 0.55 * eager, (rank, ours[rank]["peaks"], eager)
+        assert max(ours[rank]["peaks"]) <= 0.5 * eager * 1.02, (rank, ours[rank]["peaks"], eager)
     assert plain[0]["losses"] != plain[1]["losses"]
 
 
