@@ -15,9 +15,20 @@ by a bool tensor casts it inside the multiply, a slow unvectorized pass (a 393K-
 paid in every step. The random op runs once in forward, and nothing runs twice there:
 rewriting only the output's readers (leaving ``native_dropout`` to compute a product nobody
 read) cost a 6-layer GPT two extra passes over every dropout's tensor. This is bit-exact only
-if it reproduces the kernel's own draws and arithmetic, so for each (device, dtype, p) we check
-it once on a probe tensor and leave the op alone where it does not hold (e.g. half precision
-on CPU, whose kernel rounds differently; CUDA, whose fused kernel draws its own way).
+if it reproduces eager's draws and arithmetic, so for each (device, dtype, p) we check it once
+on a probe tensor against eager ``torch.nn.functional.dropout`` (what models call, and what the
+graph's ``native_dropout`` was decomposed from) and leave the op alone where it does not hold
+(CUDA, whose fused kernel draws its own way: there ``native_dropout`` is eager's own kernel).
+
+NOTE [ Eager dropout in half precision on CPU ]
+On CPU, eager ``dropout`` is not ``native_dropout``: it draws ``noise = empty_like(x)
+.bernoulli_(1 - p)``, divides it in place by ``1 - p`` *in x's dtype* and returns ``x * noise``
+(backward: ``grad * noise``). In fp32 and fp64 that rounds as ``native_dropout``'s ``x * mask *
+scale`` does, but in bf16 ``1 / 0.9`` rounds to 1.109375 and ``x * 1.109375`` is not
+``x * 1.1111``: the traced graph's ``native_dropout`` (``torch.compile(backend="aot_eager")``
+too) differed from eager by 0.16 on a bf16 GPT-2 block's output. So there the split builds
+eager's form: ``keep = mask.to(dtype) / (1 - p)`` (the noise), ``output = x * keep``, gradient
+``grad * keep``; the same draws, the same roundings, and still a recomputable ``keep``.
 
 NOTE [ Dropout draws in memory order ]
 ``native_dropout`` fills its mask in place (``empty_like(x).bernoulli_(1 - p)``): the mask has
@@ -57,34 +68,42 @@ def _recompiled(joint: fx.GraphModule, changes: int) -> int:
     return changes
 
 
+# NOTE [ Dropout: save the mask, recompute the product ]'s forms: "product" multiplies by the
+# 0/1 mask, then by the scale (``native_dropout``'s arithmetic); "noise" multiplies by the mask
+# divided by ``1 - p`` in the input's dtype (NOTE [ Eager dropout in half precision on CPU ]).
+_FORMS = ("product", "noise")
+
+
 @functools.lru_cache(maxsize=64)
-def _dropout_split_is_exact(device: str, dtype: torch.dtype, p: float) -> bool:
-    """Whether NOTE [ Dropout: save the mask, recompute the product ]'s split draws the same
-    mask from the same random stream as ``native_dropout``, and its product and gradient equal
-    ``native_dropout``'s and ``native_dropout_backward``'s bit for bit."""
+def _dropout_split_form(device: str, dtype: torch.dtype, p: float) -> str | None:
+    """The form of NOTE [ Dropout: save the mask, recompute the product ]'s split that draws the
+    same mask from the same random stream as eager ``dropout`` and equals its output and
+    gradient bit for bit, or ``None`` (the op is left alone)."""
     if not 0.0 <= p < 1.0:
-        return False
+        return None
     x = torch.linspace(-3.0, 3.0, 4 * 1031, dtype=torch.float64).to(device=device, dtype=dtype)
     grad = torch.linspace(-1.0, 5.0, 4 * 1031, dtype=torch.float64).to(device=device, dtype=dtype)
     # NOTE [ Dropout draws in memory order ]: a contiguous, a transposed and a strided input.
     layouts = [(x, grad), (x.view(4, 1031).t(), grad.view(4, 1031).t()),
                (x.view(4, 1031)[:, ::2].t(), grad.view(4, 1031)[:, ::2].t())]
-    return all(_split_matches(x, grad, p) for x, grad in layouts)
+    return next((form for form in _FORMS
+                 if all(_split_matches(x, grad, p, form) for x, grad in layouts)), None)
 
 
-def _split_matches(x: torch.Tensor, grad: torch.Tensor, p: float) -> bool:
+def _split_matches(x: torch.Tensor, grad: torch.Tensor, p: float, form: str) -> bool:
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # the user's streams are left as they were
+    leaf = x.detach().requires_grad_()  # x's strides: eager fills its noise in x's memory order
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # the user's streams
+        # are left as they were; a pass may run under no_grad
         _seed(x.device)
-        out, mask = aten.native_dropout(x, p, True)
+        out = torch.nn.functional.dropout(leaf, p, True)
         after = torch.rand(4, device=x.device)
         _seed(x.device)
-        split_mask, keep, split_out = _split_dropout(x, p)
+        _, keep, split_out = _split_dropout(x, p, form=form)
         split_after = torch.rand(4, device=x.device)
-    grad_in = aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
-    return bool(torch.equal(mask, split_mask) and torch.equal(out, split_out)
-                and torch.equal(after, split_after)
-                and torch.equal(grad_in, _split_dropout_grad(grad, keep, p)))
+    out.backward(grad)
+    return bool(torch.equal(out, split_out) and torch.equal(after, split_after)
+                and torch.equal(leaf.grad, _split_dropout_grad(grad, keep, p, form=form)))
 
 
 def _seed(device: torch.device) -> None:
@@ -100,10 +119,10 @@ def _eagerly(target, *args, **kwargs):
     return target(*args, **kwargs)
 
 
-def _split_dropout(x, p: float, call=_eagerly):
-    """``native_dropout(x, p, True)`` as its draw and a product: ``(mask, keep, output)``, with
-    ``keep`` the mask as 0/1 of ``x``'s dtype. ``call`` applies each op (eagerly, or adding it
-    to a graph)."""
+def _split_dropout(x, p: float, call=_eagerly, *, form: str):
+    """``dropout(x, p, True)`` as its draw and a product: ``(mask, keep, output)``, with
+    ``keep`` the mask as numbers of ``x``'s dtype (``form``: 0/1, or the noise, see
+    ``_FORMS``). ``call`` applies each op (eagerly, or adding it to a graph)."""
     # The draw's output is the 1-byte mask itself: a random op's outputs can only be kept, never
     # recomputed, so a float draw cast to bool would have had a "keep nothing" forward keep
     # 4 bytes per element (the draws are the same: bernoulli fills a bool tensor from the
@@ -118,6 +137,9 @@ def _split_dropout(x, p: float, call=_eagerly):
         inverse = sorted(range(len(order)), key=order.__getitem__)
         mask = call(aten.permute.default, call(aten.bernoulli.p, like, 1.0 - p), inverse)
     keep = call(aten._to_copy.default, mask, dtype=val.dtype)
+    if form == "noise":
+        keep = call(aten.div.Scalar, keep, 1.0 - p)
+        return mask, keep, call(aten.mul.Tensor, x, keep)
     kept = call(aten.mul.Tensor, x, keep)
     return mask, keep, call(aten.mul.Scalar, kept, 1.0 / (1.0 - p))
 
@@ -135,8 +157,11 @@ def _memory_order(t: torch.Tensor) -> list[int] | None:
     return None if order == list(range(t.dim())) else order
 
 
-def _split_dropout_grad(grad, keep, p: float, call=_eagerly):
-    """``native_dropout_backward(grad, mask, 1 / (1 - p))`` from the mask as numbers."""
+def _split_dropout_grad(grad, keep, p: float, call=_eagerly, *, form: str):
+    """``native_dropout_backward(grad, mask, 1 / (1 - p))`` from the mask as numbers, in
+    ``form``'s arithmetic (``_FORMS``)."""
+    if form == "noise":
+        return call(aten.mul.Tensor, grad, keep)
     return call(aten.mul.Scalar, call(aten.mul.Tensor, grad, keep), 1.0 / (1.0 - p))
 
 
@@ -146,6 +171,7 @@ def split_dropout(joint: fx.GraphModule) -> int:
     Returns:
         How many dropout ops were rewritten.
     """
+    from torch._dispatch.python import no_python_dispatcher
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     graph = joint.graph
@@ -158,9 +184,12 @@ def split_dropout(joint: fx.GraphModule) -> int:
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         if train is False or not isinstance(val, torch.Tensor):
             continue
-        with unset_fake_temporarily():
-            if not _dropout_split_is_exact(val.device.type, val.dtype, p):
-                continue
+        # the probe runs eager dropout as the user's model does: not under the tracer's Python
+        # dispatcher, which decomposes it into native_dropout
+        with unset_fake_temporarily(), no_python_dispatcher():
+            form = _dropout_split_form(val.device.type, val.dtype, p)
+        if form is None:
+            continue
         outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         if outs.get(0) is None or not outs[0].users or len(outs) != len(node.users):
             continue
@@ -174,7 +203,7 @@ def split_dropout(joint: fx.GraphModule) -> int:
             return new
 
         with graph.inserting_before(node):
-            mask, keep, product = _split_dropout(x, p, call)
+            mask, keep, product = _split_dropout(x, p, call, form=form)
         _replace(outs[0], product)
         if 1 in outs:
             for user in list(outs[1].users):
@@ -182,7 +211,8 @@ def split_dropout(joint: fx.GraphModule) -> int:
                         and user.args[1] is outs[1] and user.args[2] == 1.0 / (1.0 - p)):
                     with graph.inserting_before(user):
                         _replace(user, _split_dropout_grad(user.args[0], keep, p,
-                                                           functools.partial(call, at=user)))
+                                                           functools.partial(call, at=user),
+                                                           form=form))
             _replace(outs[1], mask)
         graph.erase_node(node)
         rewritten += 1
