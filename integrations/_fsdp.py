@@ -63,6 +63,7 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -129,18 +130,17 @@ def units_to_plan(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return units
 
 
-def rematerialize_fsdp2(units: Sequence[tuple[str, nn.Module]],
-                        step: Callable[[bool], int | None],
+def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
                         settings: RematSettings, cache: PlanCache, *,
                         comm: Collectives | None = None,
                         info: Callable[[str], None] = lambda message: None,
                         owner: str) -> tuple[UnitPlans, int, dict[str, TargetResult]]:
-    """Plan and install every unit of ``units`` for one whole-step budget on each rank: what the
-    Lightning callback and the Accelerate plugin both run (NOTE [ One step budget over FSDP
-    units ]).
+    """Plan and install every FSDP2 unit of ``root`` (:func:`units_to_plan`) for one
+    whole-step budget on each rank: what the Lightning callback and the Accelerate plugin both
+    run (NOTE [ One step budget over FSDP units ]).
 
     Args:
-        units: ``(name, unit)`` in the order they run (:func:`units_to_plan`).
+        root: The sharded model (``fully_shard`` on each layer, then on the model).
         step: ``step(warmup)`` runs one whole training step (forward, loss, backward) on the
             example batch and returns its measured peak (``None``: not measurable), leaving no
             trace: the unmodified warmup step (``True``; the units' calls are recorded), then
@@ -154,8 +154,10 @@ def rematerialize_fsdp2(units: Sequence[tuple[str, nn.Module]],
         The plans, the unmodified step's measured peak, and a result per unit.
 
     Raises:
-        Unplannable: the step did not call every unit, or its peak could not be measured.
+        Unplannable: ``root`` has no unit to plan, the step did not call every unit, or its
+            peak could not be measured.
     """
+    units = units_to_plan(root)
     targets = [Target(name, None, "", unit, False) for name, unit in units]
     with record_first_calls(targets) as recorded:
         eager = step(True)
@@ -174,7 +176,8 @@ def rematerialize_fsdp2(units: Sequence[tuple[str, nn.Module]],
     try:
         planned = plan_units([u for _, u in units], [calls[n] for n, _ in units], eager, budget,
                              solver=settings.solver, time_limit=settings.time_limit,
-                             cache=cache, trial=lambda: step(False) or 0, comm=comm)
+                             cache=cache, trial=lambda: step(False) or 0, comm=comm,
+                             late_bytes=late_release_bytes(root))
     except BaseException:
         for _, unit in units:
             uninstall(unit)
@@ -241,8 +244,12 @@ def probe(unit: nn.Module, args: tuple, kwargs: dict) -> RematModule:
     (a collective: every rank gathers the unit's parameters)."""
     unit.unshard()
     try:
-        return remat.rematerialize(UnitForward(unit), *args, budget=NO_LIMIT, solver="none",
-                                   cache=False, example_kwargs=kwargs)
+        with warnings.catch_warnings():
+            # a unit returns hidden states, not a loss: the whole step's budget is planned here,
+            # so rematerialize's advice to pass step_peak_bytes does not apply
+            warnings.filterwarnings("ignore", message=r"remat: .* no loss of its own")
+            return remat.rematerialize(UnitForward(unit), *args, budget=NO_LIMIT, solver="none",
+                                       cache=False, example_kwargs=kwargs)
     finally:
         unit.reshard()
 
@@ -391,7 +398,7 @@ class UnitPlans:
 def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
                eager_step_bytes: int, budget_bytes: int, *, solver: str, time_limit: float,
                cache: PlanCache, trial: Callable[[], int],
-               comm: Collectives | None = None) -> UnitPlans:
+               comm: Collectives | None = None, late_bytes: int = 0) -> UnitPlans:
     """Rematerialize every FSDP unit so that the whole step fits ``budget_bytes`` (NOTE [ One
     step budget over FSDP units ]) and install them (NOTE [ Remat inside an FSDP unit ]).
 
@@ -407,6 +414,8 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             decisions and plans are used by all, and every rank plans again when any rank's
             trial step is over its budget (each unit's parameters are gathered, a collective,
             the same number of times on every rank).
+        late_bytes: Headroom the trial step must leave under the budget (NOTE [ Buffers
+            gloo's workers release late ]).
     """
     comm = comm or Collectives()
     probes, seen = [], {}
@@ -418,7 +427,6 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         probes.append(seen[same])
     inputs = [sum(x.nbytes for x in tree_leaves(call) if isinstance(x, torch.Tensor))
               for call in calls]
-    late = late_release_bytes(units)
     target, modules = budget_bytes, []
     for rounds in range(1, _ROUNDS + 1):
         share = comm.broadcast(None if comm.rank else share_step_budget(
@@ -433,12 +441,12 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             modules.append(rm)
         measured = trial()
         # by how much the rank that missed most went over (NOTE [ Buffers gloo's workers
-        # release late ]); every rank plans again for the same lower target
-        over = comm.all_max(measured + late - budget_bytes)
+        # release late ]); every rank plans again for a prediction that much lower
+        over = comm.all_max(measured + late_bytes - budget_bytes)
         if over <= 0 or not share.fits:
             break
-        target -= over
-    return UnitPlans(modules, share, measured, budget_bytes, rounds, late)
+        target = share.predicted_step_bytes - over
+    return UnitPlans(modules, share, measured, budget_bytes, rounds, late_bytes)
 
 
 def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:
@@ -457,13 +465,24 @@ def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:
                          for k, v in call[1].items())))
 
 
-def late_release_bytes(units: Sequence[nn.Module]) -> int:
-    """On CPU, the largest unit's unsharded parameter bytes (a DTensor parameter's shape is the
-    whole tensor's): what a gloo worker may hold after the step let go of it (NOTE [ Buffers
-    gloo's workers release late ]); 0 elsewhere."""
-    return max((sum(p.numel() * p.element_size() for p in unit.parameters())
-                for unit in units
-                if all(p.device.type == "cpu" for p in unit.parameters())), default=0)
+def late_release_bytes(root: nn.Module) -> int:
+    """On CPU, the most parameter bytes one FSDP module of ``root`` gathers and reduces itself
+    (its own, not its units'; a DTensor parameter's shape is the whole tensor's): what a gloo
+    worker may hold after the step let go of it (NOTE [ Buffers gloo's workers release
+    late ]); 0 elsewhere."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    params = [list(m.parameters()) for m in modules]
+    if not any(p.device.type == "cpu" for ps in params for p in ps):
+        return 0
+    owner: dict[int, tuple[int, torch.Tensor]] = {}  # the innermost FSDP module holding each
+    for k, ps in enumerate(params):  # outer modules come first
+        owner.update((id(p), (k, p)) for p in ps)
+    sizes = [0] * len(modules)
+    for k, p in owner.values():
+        sizes[k] += p.numel() * p.element_size()
+    return max(sizes, default=0)
 
 
 def fsdp2_line(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
@@ -486,8 +505,16 @@ def _headroom(planned: UnitPlans) -> str:
             if planned.late_bytes else "")
 
 
-def fsdp2_miss(planned: UnitPlans, *, owner: str) -> str:
-    """The warning when even the lowest plans measured over the budget."""
-    return (f"{owner}: FSDP2: the step measured {format_bytes(planned.measured_step_bytes)}, "
-            f"over its budget {format_bytes(planned.budget_bytes)}{_headroom(planned)}: "
-            "this is the lowest the units' plans reach. Raise the budget or shrink the batch.")
+def fsdp2_miss(planned: UnitPlans, eager_step_bytes: int, *, owner: str) -> str:
+    """The warning when even the lowest plans measured over the budget, with the budget that
+    would fit."""
+    measured = format_bytes(planned.measured_step_bytes)
+    over = (f"{measured}, over its budget {format_bytes(planned.budget_bytes)}"
+            if not planned.late_bytes else
+            f"{measured}, and {format_bytes(planned.late_bytes)} kept for buffers gloo releases "
+            f"late puts it over its budget {format_bytes(planned.budget_bytes)}")
+    lowest = math.ceil(100 * (planned.measured_step_bytes + planned.late_bytes)
+                       / max(eager_step_bytes, 1))
+    return (f"{owner}: FSDP2: the step measured {over}: this is the lowest the units' plans "
+            f"reach, so they stay installed. budget=\"{lowest}%\" or more fits this batch; "
+            "below that, shrink the batch.")

@@ -538,7 +538,7 @@ def _rematerialize_fsdp2(accelerator: Accelerator, model: nn.Module, batch: Any,
                          "(HIREMATE_MODULE) out")
     main = accelerator.is_main_process
     try:
-        units = units_to_plan(model)
+        units_to_plan(model)  # refused before the batch moves
     except Unplannable as e:
         _train_unmodified(accelerator, settings, e, owner=owner)
         return model, {}
@@ -556,10 +556,10 @@ def _rematerialize_fsdp2(accelerator: Accelerator, model: nn.Module, batch: Any,
 
     with isolated_rng(), accelerator.autocast():  # NOTE [ A warmup step that leaves no trace ]
         planned, eager, results = rematerialize_fsdp2(
-            units, step, settings, cache, comm=_collectives(accelerator), info=info, owner=owner)
+            model, step, settings, cache, comm=_collectives(accelerator), info=info, owner=owner)
     info(fsdp2_line(planned, eager, owner=owner))
     if not planned.fits and main:
-        warnings.warn(fsdp2_miss(planned, owner=owner), stacklevel=4)
+        warnings.warn(fsdp2_miss(planned, eager, owner=owner), stacklevel=4)
     if settings.verbose and main:
         log.info(format_table(results, settings, owner=owner, eager_peak_bytes=eager,
                               eager_detail=_EAGER_DETAIL))

@@ -389,7 +389,7 @@ class HiRemateCallback(Callback):
             try:
                 with trainer.precision_plugin.train_step_context():
                     planned, self.eager_peak_bytes, results = rematerialize_fsdp2(
-                        units, step, self.settings, self.cache,
+                        pl_module, step, self.settings, self.cache,
                         comm=self._collectives(trainer), info=self._info, owner=_OWNER)
             except Unplannable as e:
                 return self._cannot(str(e))
@@ -398,7 +398,7 @@ class HiRemateCallback(Callback):
         self.results.update(results)
         self._info(fsdp2_line(planned, self.eager_peak_bytes, owner=_OWNER))
         if not planned.fits:
-            self._warn(fsdp2_miss(planned, owner=_OWNER))
+            self._warn(fsdp2_miss(planned, self.eager_peak_bytes, owner=_OWNER))
         if self.settings.verbose:
             rank_zero_info(format_table(self.results, self.settings, owner=_OWNER,
                                         eager_peak_bytes=self.eager_peak_bytes))

@@ -135,7 +135,7 @@ LIGHTNING = textwrap.dedent("""
     import json, sys
     import torch, transformers, lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     import remat
     from integrations.lightning import HiRemateCallback
 
@@ -143,17 +143,27 @@ LIGHTNING = textwrap.dedent("""
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128,
-                                           num_attention_heads=4, num_key_value_heads=4,
-                                           intermediate_size=344, vocab_size=1000,
-                                           max_position_embeddings=128, attn_implementation="sdpa")
-            self.m = transformers.LlamaForCausalLM(cfg)
+            if MODEL == "llama":
+                cfg = transformers.LlamaConfig(
+                    num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                    num_key_value_heads=4, intermediate_size=344, vocab_size=1000,
+                    max_position_embeddings=128, attn_implementation="sdpa")
+                self.m = transformers.LlamaForCausalLM(cfg)
+                self.layers = self.m.model.layers
+            else:  # GPT-2: its default dropout 0.1 on
+                cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1000,
+                                              n_positions=128, attn_implementation="sdpa")
+                self.m = transformers.GPT2LMHeadModel(cfg)
+                self.layers = self.m.transformer.h
 
         def configure_model(self):  # FSDP2 as users shard: each decoder layer, then the root
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.m.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.m, mesh=mesh)
+            options = {"mesh": self.device_mesh["data_parallel"], "reshard_after_forward": RESHARD}
+            if BF16:
+                options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                            reduce_dtype=torch.float32)
+            for layer in self.layers:
+                fully_shard(layer, **options)
+            fully_shard(self.m, **options)
 
         def training_step(self, batch, i):
             return self.m(input_ids=batch, labels=batch, use_cache=False).loss
@@ -186,6 +196,7 @@ LIGHTNING = textwrap.dedent("""
             self.shapes.append(list(batch.shape))
 
     budget, PADDING, steps = sys.argv[1], sys.argv[2] == "padding", int(sys.argv[3])
+    MODEL, BF16, RESHARD = sys.argv[4], sys.argv[5] == "bf16", sys.argv[6] == "reshard"
     watch = Watch()
     callbacks = [watch] if budget == "none" else [HiRemateCallback(budget, verbose=False), watch]
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False,
@@ -201,9 +212,14 @@ LIGHTNING = textwrap.dedent("""
 """)
 
 
-def fit_fsdp2(tmp_path: Path, budget: str, data: str = "fixed", steps: int = 5
+def fit_fsdp2(tmp_path: Path, budget: str, data: str = "fixed", steps: int = 5, *,
+              model: str = "llama", bf16: bool = False, reshard: bool = True
               ) -> dict[int, dict]:
-    return run_ranks(tmp_path, "fit_fsdp2.py", LIGHTNING, [budget, data, str(steps)])
+    """``LIGHTNING`` on 2 CPU ranks; ``bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``; ``reshard``: ``reshard_after_forward``."""
+    return run_ranks(tmp_path, "fit_fsdp2.py", LIGHTNING,
+                     [budget, data, str(steps), model, "bf16" if bf16 else "fp32",
+                      "reshard" if reshard else "keep"])
 
 
 def run_ranks(tmp_path: Path, name: str, source: str, argv: list[str], *,
@@ -240,6 +256,37 @@ def test_lightning_fsdp2_keeps_every_ranks_step_under_the_budget(tmp_path):
         eager = max(plain[rank]["peaks"])
         assert max(ours[rank]["peaks"]) <= 0.5 * eager * 1.02, (rank, ours[rank]["peaks"], eager)
     assert plain[0]["losses"] != plain[1]["losses"]  # the ranks did see different batches
+
+
+@pytest.mark.timeout(900)
+def test_lightning_fsdp2_gpt2_in_bf16_with_unsharded_parameters_kept_after_forward(tmp_path):
+    """Issue 33 items 1 and 3: an HF GPT-2 (dropout on) sharded with
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` and
+    ``reshard_after_forward=False`` (the parameters stay gathered from forward to backward):
+    every step of every rank at most half of the same FSDP2 run's without remat, the losses
+    bit for bit (bf16 dropout: NOTE [ Eager dropout in half precision on CPU ])."""
+    pytest.importorskip("transformers")
+    plain = fit_fsdp2(tmp_path, "none", steps=4, model="gpt2", bf16=True, reshard=False)
+    ours = fit_fsdp2(tmp_path, "50%", steps=4, model="gpt2", bf16=True, reshard=False)
+    for rank in (0, 1):
+        assert ours[rank]["losses"] == plain[rank]["losses"] and len(ours[rank]["losses"]) == 4
+        eager = max(plain[rank]["peaks"])
+        assert max(ours[rank]["peaks"]) <= 0.5 * eager * 1.02, (rank, ours[rank]["peaks"], eager)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lightning_fsdp2_with_bf16_mixed_precision(tmp_path):
+    """Issue 33 item 3: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on
+    the Llama: the units run in bf16 and reduce in fp32; every step at most half of the same
+    FSDP2 run's, the losses bit for bit."""
+    pytest.importorskip("transformers")
+    plain = fit_fsdp2(tmp_path, "none", steps=4, bf16=True)
+    ours = fit_fsdp2(tmp_path, "50%", steps=4, bf16=True)
+    for rank in (0, 1):
+        assert ours[rank]["losses"] == plain[rank]["losses"] and len(ours[rank]["losses"]) == 4
+        eager = max(plain[rank]["peaks"])
+        assert max(ours[rank]["peaks"]) <= 0.5 * eager * 1.02, (rank, ours[rank]["peaks"], eager)
 
 
 @pytest.mark.slow
