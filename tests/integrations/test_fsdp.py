@@ -310,6 +310,89 @@ def test_lightning_fsdp2_with_dynamic_padding_on_ranks_seeing_different_shapes(t
         assert max(ours[rank]["peaks"]) <= 0.5 * ours[rank]["warmup"] * 1.02
 
 
+RESUME = textwrap.dedent("""
+    import json, sys
+    import torch, transformers, lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from integrations.lightning import HiRemateCallback
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128,
+                                           num_attention_heads=4, num_key_value_heads=4,
+                                           intermediate_size=344, vocab_size=1000,
+                                           max_position_embeddings=128, attn_implementation="sdpa")
+            self.m = transformers.LlamaForCausalLM(cfg)
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.m, mesh=mesh)
+
+        def training_step(self, batch, i):
+            return self.m(input_ids=batch, labels=batch, use_cache=False).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # 3 batches per rank per epoch
+            ids = [torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(k))
+                   for k in range(24)]
+            return torch.utils.data.DataLoader(ids, batch_size=4)
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.losses = []
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+            self.losses.append(outputs["loss"].item())
+
+    mode, steps, path, remat = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    losses, model = Losses(), LM()
+    callbacks = [HiRemateCallback("50%", verbose=False)] if remat == "remat" else []
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                        strategy=ModelParallelStrategy(data_parallel_size=2,
+                                                       tensor_parallel_size=1),
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        callbacks=[*callbacks, losses])
+    trainer.fit(model, ckpt_path=path if mode == "resume" else None)
+    if mode == "save":
+        trainer.save_checkpoint(path)  # a distributed checkpoint: a directory of shards
+    print("RESULT " + json.dumps({"rank": trainer.global_rank, "losses": losses.losses,
+                                  "keys": sorted(model.state_dict())}), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_lightning_fsdp2_resumes_from_a_distributed_checkpoint(tmp_path):
+    """Issue 33 item 4: ``trainer.save_checkpoint`` after one epoch (3 steps) under
+    ``HiRemateCallback``, then a new run with ``ckpt_path``: the checkpoint is a directory of
+    shards with the user's own state_dict keys, and the resumed run (which plans again) gives
+    the losses Lightning gives without remat, bit for bit. Known: without remat too, the
+    resumed run's second step differs from an uninterrupted run's (SGD and AdamW alike; the
+    first resumed step matches, so the weights come back): a Lightning resume behaviour on
+    this setup, see the issue 33 note."""
+    pytest.importorskip("transformers")
+    runs = {}
+    for callbacks in ("remat", "plain"):
+        path = str(tmp_path / f"{callbacks}.ckpt")
+        saved = run_ranks(tmp_path, "resume.py", RESUME, ["save", "3", path, callbacks])
+        resumed = run_ranks(tmp_path, "resume.py", RESUME, ["resume", "6", path, callbacks])
+        assert (tmp_path / f"{callbacks}.ckpt").is_dir()
+        runs[callbacks] = saved, resumed
+    for rank in (0, 1):
+        for ours, plain in zip(runs["remat"], runs["plain"]):
+            assert ours[rank]["losses"] == plain[rank]["losses"] and ours[rank]["losses"]
+            assert ours[rank]["keys"] == plain[rank]["keys"]
+            assert all(k.startswith("m.") and "_orig_mod" not in k and "original" not in k
+                       for k in ours[rank]["keys"])
+
+
 ACCELERATE = textwrap.dedent('''
 import json, os, sys
 import torch, transformers
