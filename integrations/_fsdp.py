@@ -165,6 +165,13 @@ def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
     missing = [t.name for t in targets if t.name not in calls]
     if missing:
         raise Unplannable(f"the training step did not call the FSDP units {', '.join(missing)}")
+    cached = [name for name, call in calls.items() if _holds_cache(call)]
+    if cached:
+        raise Unplannable(
+            f"the training step hands the FSDP units {', '.join(cached)} a Hugging Face cache "
+            "(past_key_values), which a unit's graph cannot take: pass use_cache=False in the "
+            "training call (e.g. model(input_ids=..., labels=..., use_cache=False)), as training "
+            "needs no cache")
     if not eager:
         raise Unplannable("the warmup step's peak could not be measured (a torch.profiler "
                           "session is running?)")
@@ -447,6 +454,12 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             break
         target = share.predicted_step_bytes - over
     return UnitPlans(modules, share, measured, budget_bytes, rounds, late_bytes)
+
+
+def _holds_cache(call: tuple[tuple, dict]) -> bool:
+    """Whether a recorded call passes a ``transformers`` cache object (a ``DynamicCache`` that
+    every decoder layer appends to)."""
+    return any(type(x).__module__ == "transformers.cache_utils" for x in tree_leaves(call))
 
 
 def _likeness(unit: nn.Module, call: tuple[tuple, dict]) -> object:

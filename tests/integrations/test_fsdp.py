@@ -472,3 +472,58 @@ def test_a_model_without_fsdp2_units_is_unplannable_with_the_fix():
 
     with pytest.raises(Unplannable, match=r"Sequential has no fully_shard module"):
         units_to_plan(nn.Sequential(nn.Linear(2, 2)))
+
+
+CACHED = textwrap.dedent("""
+    import socket, sys
+    import torch, torch.distributed as dist, transformers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import remat
+    from integrations._fsdp import Unplannable, rematerialize_fsdp2
+    from integrations._remat_shared import check_settings
+
+    mesh = init_device_mesh("cpu", (1,))
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=4, intermediate_size=128, vocab_size=100,
+                                   max_position_embeddings=64, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(100, (2, 16))
+
+    def step(warmup):  # the training call as written without use_cache=False
+        with remat.track_memory() as mem:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return mem.peak_bytes
+
+    settings = check_settings(budget="50%", solver=remat.DEFAULT_SOLVER, time_limit=10,
+                              module=None, cache_dir=None, strict=True, verbose=False)
+    try:
+        rematerialize_fsdp2(model, step, settings, remat.PlanCache(), owner="test")
+    except Unplannable as e:
+        print("REFUSED", e)
+    print("RESTORED", all("forward" not in l.__dict__ for l in model.model.layers))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_cache_in_the_units_calls_is_refused_with_the_fix():
+    """A training call without ``use_cache=False`` hands each decoder layer the model's
+    ``DynamicCache``, which a unit's graph cannot take: the units are refused naming the fix,
+    before any capture, and keep their own forwards (the callback then trains unmodified, or
+    raises when strict)."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", CACHED], capture_output=True, text=True,
+                          timeout=280, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ("REFUSED the training step hands the FSDP units model.layers.0, model.layers.1 "
+            "a Hugging Face cache (past_key_values)") in proc.stdout
+    assert "pass use_cache=False in the training call" in proc.stdout
+    assert "RESTORED True" in proc.stdout
