@@ -38,8 +38,8 @@ NOTE [ One step budget over FSDP units ]
     What FSDP itself holds at the new peak (a unit's unsharded gradients before their
     reduce-scatter, the next unit's prefetched parameters) is not in that sum: a 4-layer Llama
     predicted at 0.498 of its step measured 0.552. So the plans are checked on a measured step
-    (:func:`plan_units`' ``trial``), and a step over the budget plans again with the budget
-    lowered by what the step missed by, at most ``_ROUNDS`` times.
+    (:func:`plan_units`' ``trial``), and a step over the budget plans again for a predicted
+    step lower by what the measured one missed by, at most ``_ROUNDS`` times.
 
 NOTE [ Buffers gloo's workers release late ]
     On CPU, FSDP2's collectives run on gloo, whose worker threads hold each collective's work
@@ -53,9 +53,10 @@ NOTE [ Buffers gloo's workers release late ]
     other threads ] in ``remat/memory.py``) and identical steps read the same on an idle
     machine. Second, beside a busy neighbour the buffer really lives on while the next unit's
     backward allocates: one step in a few dozen measured one such buffer above the rest (7.50
-    then 8.29 MB). So on CPU the trial step must fit with one unit's unsharded parameters to
-    spare (:func:`late_release_bytes`). NCCL on CUDA releases these buffers in the calling
-    thread (FSDP2 holds them until it has waited on the collective): no headroom there.
+    then 8.29 MB). So on CPU the trial step must fit with the largest FSDP module's own
+    unsharded parameters to spare (:func:`late_release_bytes`: a Llama's root, embedding and
+    head, 1.0 MB). On CUDA the allocator's counters see a free in any thread; whether NCCL
+    holds buffers late is not measured yet (no GPU here), and no headroom is kept there.
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ from integrations._remat_shared import Collectives, RematSettings, Target, Targe
 from integrations._warmup import record_first_calls
 
 __all__ = ["StepShare", "UnitForward", "UnitPlans", "Unplannable", "fsdp2_line", "fsdp2_miss",
-           "fsdp_units", "install", "plan_units", "rematerialize_fsdp2", "share_step_budget",
-           "uninstall", "units_to_plan"]
+           "fsdp_units", "install", "late_release_bytes", "plan_units", "rematerialize_fsdp2",
+           "share_step_budget", "uninstall", "units_to_plan"]
 
 # Halvings of the fraction interval: 1/128 of the eager step is finer than the solvers' own
 # granularity on a unit (a few values), and each halving solves every distinct unit once.
