@@ -487,15 +487,13 @@ def late_release_bytes(root: nn.Module) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    params = [list(m.parameters()) for m in modules]
-    if not any(p.device.type == "cpu" for ps in params for p in ps):
-        return 0
     owner: dict[int, tuple[int, torch.Tensor]] = {}  # the innermost FSDP module holding each
-    for k, ps in enumerate(params):  # outer modules come first
-        owner.update((id(p), (k, p)) for p in ps)
+    for k, module in enumerate(modules):  # outer modules come first, inner ones overwrite
+        owner.update((id(p), (k, p)) for p in module.parameters())
     sizes = [0] * len(modules)
     for k, p in owner.values():
-        sizes[k] += p.numel() * p.element_size()
+        if p.device.type == "cpu":
+            sizes[k] += p.numel() * p.element_size()
     return max(sizes, default=0)
 
 
