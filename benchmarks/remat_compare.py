@@ -189,7 +189,7 @@ def setup_again(model: nn.Module, batch: tuple, loss_of: Callable, budget: float
     start = time.perf_counter()
     rm = remat.rematerialize(m, *batch, budget=f"{budget:g}%", solver=args.solver,
                              time_limit=args.time_limit, step_peak_bytes=step_peak,
-                             cache=remat.PlanCache(cache_dir))
+                             cache=remat.PlanCache(cache_dir), dynamic=args.dynamic)
     loss_of(rm(*batch)).backward()
     took = time.perf_counter() - start
     if not rm.plan.cache_hit:
@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
     parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--static-first", dest="dynamic", action="store_const", const=None,
+                        default=True, help="remat captures the example's static shapes first "
+                        "(rematerialize(dynamic=None), NOTE [ Static first ] in remat/module.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             # run costs; the second capture below is a later run's.
             rm = remat.rematerialize(m, *batch, budget=f"{b:g}%", solver=args.solver,
                                      time_limit=args.time_limit, step_peak_bytes=eager_row.peak,
-                                     cache=remat.PlanCache(kept.name))
+                                     cache=remat.PlanCache(kept.name), dynamic=args.dynamic)
         except remat.RematError as e:
             contenders.append((Row(f"remat({b:g}%)", 0, float("nan"), float("nan"),
                                    f"error: {e}"[:90]), None, None))
@@ -352,8 +355,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
              else f"threads={torch.get_num_threads()}")
+    capture = "static first" if args.dynamic is None else "dynamic"
     print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
-          f"torch={torch.__version__} {args.device} {where} "
+          f"capture={capture} torch={torch.__version__} {args.device} {where} "
           f"(median of {args.steps} steps, methods taking turns)")
     print(report(rows, eager_row, dropout=0.0 if args.model in ("unet", "resnet") else args.dropout))
     return rows

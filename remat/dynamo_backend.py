@@ -23,7 +23,7 @@ from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, costs_key, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
-from .costs import machine_tag, measure_op_times, model_op_times
+from .costs import carry_costs, machine_tag, measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
@@ -95,6 +95,9 @@ class RematBackend:
         # Per input leaf, its shape in the call :attr:`eager` was measured on, when that was
         # not the call captured first (a smaller example run eagerly); ``None``: that call.
         self.eager_shapes: list[tuple[int, ...] | None] | None = None
+        # NOTE [ Static first ] in remat/module.py: the first graph captured with static shapes
+        # and its call's tensor shapes, whose measured op costs a dynamic capture takes over
+        self.static: tuple[str, list[tuple[int, ...] | None]] | None = None
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -148,6 +151,8 @@ class RematBackend:
             entry = self._solve_family(lowered, joint, gm, real_inputs, key, symbols, sizes,
                                        [(dims or {}).get(s) for s in symbols],
                                        [(dim_names or {}).get(s) for s in symbols])
+            if self.shapes.families[key].sized.sizes != sizes:  # solved at the example's sizes
+                entry = self.shapes.choose(key, sizes).entry
         elif request is not None and self.shapes.entries[request].family == key:
             entry = request  # NOTE [ Shape-generic plans ]: the slot's own schedule
         else:
@@ -157,10 +162,20 @@ class RematBackend:
 
     def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims,
                       dim_names) -> int:
-        """Profile and solve a graph of a structure not seen before (or load it from the cache)."""
-        cache_key = graph_key(lowered.graph, self.budget, self.solver, self.options,
-                              structure=key)
-        graph, alone = self._costed(lowered, joint, gm, real_inputs, key)
+        """Profile and solve a graph of a structure not seen before (or load it from the cache).
+
+        A dynamic capture of the graph first captured with static shapes takes that graph's
+        costs and is solved at the example's sizes, as if it had been captured first (NOTE
+        [ Costs carried to the dynamic capture ] in :mod:`remat.costs`)."""
+        carried = self._carried(lowered, symbols, sizes, dims)
+        if carried is not None:
+            (graph, sizes), alone = carried, False
+        else:
+            graph, alone = self._costed(lowered, joint, gm, real_inputs, key)
+            if not symbols and not self.shapes.families and self.current_leaves:
+                self.static = (key, [tuple(x.shape) if isinstance(x, torch.Tensor) else None
+                                     for x in self.current_leaves])
+        cache_key = graph_key(graph, self.budget, self.solver, self.options, structure=key)
         budget = self.budget
         sized = SizedGraph(graph, lowered.size_exprs, symbols, sizes)
         if not self.shapes.families and self.eager is not None:
@@ -170,7 +185,7 @@ class RematBackend:
             compiled = simulate(sized.at(measured_at), save_all_schedule(graph)).peak_bytes
             self.shapes.reference = Reference(*self.eager, compiled_bytes=compiled)
         reference = self.shapes.reference
-        run_bytes = self.shapes.run_budget_bytes() if self.lenient else None
+        run_bytes = self.shapes.run_budget_bytes() if self.lenient and carried is None else None
         if run_bytes is not None:
             # Another specialisation of the same module (a size of 1): the run's budget, not a
             # share of its own smaller peak (NOTE [ Budgets over many sizes ]).
@@ -201,6 +216,32 @@ class RematBackend:
                            "ops measured one at a time: the unmodified step would not fit the "
                            "budget")
         return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
+
+    def _carried(self, lowered, symbols: tuple[str, ...], sizes: tuple[int, ...],
+                 dims: Sequence[tuple[int, int] | None]
+                 ) -> tuple[RematGraph, tuple[int, ...]] | None:
+        """``lowered.graph`` at the sizes of the static capture's call, with that capture's
+        measured op costs, and those sizes; ``None`` when this is not a dynamic capture of the
+        same step (NOTE [ Costs carried to the dynamic capture ] in :mod:`remat.costs`)."""
+        if not symbols or self.static is None or not self.measure or \
+                any(f.sized.symbols for f in self.shapes.families.values()):
+            return None
+        static_key, shapes = self.static
+        at = []
+        for where in dims:
+            shape = shapes[where[0]] if where is not None and where[0] < len(shapes) else None
+            if shape is None or where[1] >= len(shape):
+                return None
+            at.append(int(shape[where[1]]))
+        at = tuple(at)
+        source = self.shapes.families[static_key].sized.graph
+        target = SizedGraph(lowered.graph, lowered.size_exprs, symbols, sizes).at(at)
+        graph = carry_costs(source, target, model_op_times(lowered))
+        if graph is None:
+            log.info("remat: the dynamic capture does not match the static one op for op; "
+                     "measuring its ops")
+            return None
+        return graph, at
 
     def _costed(self, lowered, joint: fx.GraphModule, gm: fx.GraphModule,
                 real_inputs: list[Any], structure: str) -> tuple[RematGraph, bool]:

@@ -11,6 +11,29 @@ that no schedule can fit runs with the lowest-peak schedule found and one warnin
 failing in the middle of training. A graph dynamo has to specialise (a size of 1, eval mode) is
 profiled and solved on its own.
 
+NOTE [ Static first ]
+Tracing with symbolic sizes is what makes a capture slow: ``torch.compile(backend="aot_eager")``
+of a 4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2
+cores, the symbolic arithmetic spread over every op; our own capture of it 2.3 s against ~6 s.
+``rematerialize(dynamic=None)`` therefore captures the example's shapes as they are, as
+``torch.compile`` does by default, and a run whose shapes never change pays nothing for sizes it
+never sees. The first call of another shape (dtype or mode: any call the static graphs do not
+serve) captures once more with dynamic dimensions; that graph does the same work as the static
+one at the example's sizes, so it takes the static graph's measured op costs and is solved at the
+example's sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic capture ]
+in ``remat/costs.py``): nothing is measured inside that training step, and the plan does not
+depend on which shape came second. From then on that family serves every size
+(``ShapePlans.serving``). ``dynamic=True`` (the default for now) captures with dynamic dimensions
+at once; ``False`` captures every new shape on its own.
+
+Not the default yet, because a run whose shapes vary then captures a graph at whatever shape
+came second, and dynamo gives equal sizes one symbol (duck sizing): a batch of 32 through a
+layer 32 wide yields a graph that only serves batches of 32, and the next batch is one more
+capture and solve inside a step (the example, chosen by the user, rarely has such a
+coincidence). Each schedule a varying run uses is also its own compile (NOTE [ A schedule in
+use is worth a little time ] in ``remat/sizes.py``), and the static graph's schedule is one
+more: a 40-step dynamic-padding run set up in 19.8 s against 4.2 s for its static capture.
+
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
 replaces (the dict entries are copied, the objects are shared), so ``state_dict`` keys are
@@ -22,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import warnings
 import weakref
@@ -86,6 +110,9 @@ def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     return module(*args, **kwargs)
 
 
+_STEP_NUMBERS = itertools.count(1)
+
+
 def _own_step(label: str):
     """A function like :func:`_step` with a code object of its own.
 
@@ -97,10 +124,17 @@ def _own_step(label: str):
     :class:`RematModule` runs through its own copy of this function: its dynamo cache holds
     only that schedule's graphs, recompilations are counted there (``isolate_recompiles``),
     and it is freed with the module.
+
+    Dynamo also remembers, by a code's file, line and *name*, which input sizes changed between
+    its compilations, and makes those dimensions dynamic, one symbol each, in the next compile of
+    any code of that name. Every copy is therefore named apart (``_remat_step_2_17``): a dynamic
+    capture after a static one of the same name gave the two inputs' batch dimensions two
+    symbols instead of one, a graph of another structure than the one later schedules compiled,
+    and one more capture and solve inside a training step.
     """
     import types
 
-    code = _step.__code__.replace(co_name=f"_remat_step_{label}")
+    code = _step.__code__.replace(co_name=f"_remat_step_{label}_{next(_STEP_NUMBERS)}")
     return types.FunctionType(code, _step.__globals__, code.co_name)
 
 
@@ -240,7 +274,7 @@ class RematModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, backend: RematBackend,
-                 eager: EagerOnly | None = None) -> None:
+                 eager: EagerOnly | None = None, *, dynamic: bool | None = True) -> None:
         super().__init__()
         self._modules.update(module._modules)
         self._parameters.update(module._parameters)
@@ -253,6 +287,10 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_remat_decisions", {})  # call key -> schedule entry
         # NOTE [ A budget the eager step fits ]: the calls that run eagerly without a capture
         object.__setattr__(self, "_remat_eager", eager)
+        # NOTE [ Static first ]: whether the next capture has dynamic dimensions, and whether
+        # that changes by itself when a call of other shapes comes (``dynamic=None``)
+        object.__setattr__(self, "_remat_dynamic", dynamic is True)
+        object.__setattr__(self, "_remat_auto", dynamic is None)
         # NOTE [ Owning the compiled frames ]: dynamo also remembers every backend it was given
         # (for its reset); forget ours with the module so its graphs and plans are freed.
         weakref.finalize(self, _forget_backends, self._remat_slots)
@@ -336,7 +374,8 @@ class RematModule(nn.Module):
             slot_backend = functools.partial(backend, request=entry)
             slot_backend.__name__ = "remat_backend"  # type: ignore[attr-defined]
             step = _own_step("auto" if entry is None else str(entry + 1))  # numbered as shown
-            slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True, dynamic=True,
+            slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True,
+                                          dynamic=self._remat_dynamic,
                                           recompile_limit=_RECOMPILE_LIMIT,
                                           isolate_recompiles=True), slot_backend, step.__code__)
         return slots[entry][0]
@@ -347,8 +386,15 @@ class RematModule(nn.Module):
         revisited ] in :mod:`remat.sizes`)."""
         backend = self._remat_backend
         shapes = backend.shapes
-        first = next(iter(shapes.families.values()), None)
+        first = shapes.serving
         if first is None:
+            return None, True
+        if not first.sized.symbols:
+            # NOTE [ Static first ]: only static captures so far, and this call is none of
+            # theirs (its shapes, dtypes or mode are new): capture it, with dynamic dimensions
+            # from now on unless the user asked for static ones.
+            if self._remat_auto:
+                object.__setattr__(self, "_remat_dynamic", True)
             return None, True
         sizes = first.sizes_of(leaves)
         if sizes is None:
@@ -438,6 +484,8 @@ class RematModule(nn.Module):
         from torch.utils._pytree import tree_flatten
 
         backend = self._remat_backend
+        if self._remat_auto:  # NOTE [ Static first ]: this run's shapes vary
+            object.__setattr__(self, "_remat_dynamic", True)
         sizes = [tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
                  if isinstance(x, torch.Tensor)]
         warnings.warn(
@@ -497,6 +545,7 @@ def rematerialize(
     cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
+    dynamic: bool | None = True,
     example_kwargs: dict[str, Any] | None = None,
     **call_kwargs: Any,
 ) -> RematModule:
@@ -531,6 +580,12 @@ def rematerialize(
         step_peak_bytes: The measured eager peak of the whole training step the module runs
             in, when part of the step is outside it (a loss head): percentages are of it, and
             what it adds to the module's peak is charged against the budget.
+        dynamic: ``True`` (default) captures with dynamic dimensions, one graph for every
+            batch size and length; ``None`` captures the example's shapes, as ``torch.compile``
+            does by default, about 3x faster for a run whose shapes never change, and when a
+            call of other sizes comes captures once more with dynamic dimensions, its op costs
+            carried over from the first capture; ``False`` captures every new shape on its
+            own. See NOTE [ Static first ].
         example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
             forward takes a name that is also one of these options (``cache``, ``budget``...),
             which would otherwise go to remat (NOTE [ Options that share a name with the
@@ -568,7 +623,10 @@ def rematerialize(
                         "its .original to solve again with other settings")
     given = {"budget": budget, "solver": solver, "time_limit": time_limit, "measure": measure,
              "options": options, "cache": cache, "eager_peak_bytes": eager_peak_bytes,
-             "step_peak_bytes": step_peak_bytes}
+             "step_peak_bytes": step_peak_bytes, "dynamic": dynamic}
+    if dynamic not in (None, True, False):
+        raise TypeError(f"rematerialize(dynamic={dynamic!r}): expected None (static shapes "
+                        "first, dynamic ones once shapes vary), True or False")
     example_kwargs = example_call_kwargs(module, "rematerialize", given, _DEFAULTS,
                                          example_kwargs, call_kwargs)
     backend = RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
@@ -580,8 +638,8 @@ def rematerialize(
     eager = eager_only(backend.budget, solver, backend.eager, spec, leaves)
     if eager is not None:  # NOTE [ A budget the eager step fits ]
         backend.pin(eager.plan)
-        return RematModule(module, backend, eager)
-    rm = RematModule(module, backend)
+        return RematModule(module, backend, eager, dynamic=dynamic)
+    rm = RematModule(module, backend, dynamic=dynamic)
     plan = rm.capture(*example_args, **example_kwargs)
     rm._remat_backend.pin(plan)  # NOTE [ Later input shapes ]
     return rm

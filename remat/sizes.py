@@ -316,6 +316,14 @@ class ShapePlans:
         family.entries.append(len(self.entries) - 1)
         return len(self.entries) - 1
 
+    @property
+    def serving(self) -> Family | None:
+        """The family whose schedules every batch is chosen from: the first captured with
+        dynamic dimensions, else the first (static shapes: NOTE [ Static first ] in
+        remat/module.py); ``None`` before any capture."""
+        families = list(self.families.values())
+        return next((f for f in families if f.sized.symbols), families[0] if families else None)
+
     @staticmethod
     def describe(family: Family, sizes: Sequence[int]) -> str:
         """Sizes as a person reads them (NOTE [ Naming sizes ]): ``input_ids[0]=8,

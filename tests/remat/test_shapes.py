@@ -509,3 +509,62 @@ def test_size_expressions_with_pytorchs_integer_functions_evaluate():
     for a, b in ((7, 3), (93, 64), (1, 1)):
         assert [int(v) for v in evaluate(a, b)] == \
             [4 * (a // 2) * b, (a // 2) % 4, b, (a + b) % 3, max(a, b)]
+
+
+def test_static_first_captures_the_example_as_it_is_then_once_with_dynamic_sizes(monkeypatch):
+    """NOTE [ Static first ]: ``dynamic=None`` captures the example's static shapes; the first
+    call of another shape captures once more with dynamic dimensions, takes the static graph's
+    measured op costs (nothing is measured inside that step: NOTE [ Costs carried to the
+    dynamic capture ]) and is solved at the example's sizes; later sizes use that family.
+    Every step is bitwise eager's and within the budget."""
+    import remat.dynamo_backend
+
+    ref = tiny_gpt2()
+    example = torch.randint(96, (4, 128), generator=torch.Generator().manual_seed(1))
+    rm = remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example,
+                             budget="62%", time_limit=TIME_LIMIT, cache=False, dynamic=None)
+    static = rm.shapes.serving
+    assert static.sized.symbols == () and len(rm.shapes.families) == 1
+    static_costs = [(op.time, op.workspace) for op in static.sized.graph.ops]
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("op costs measured again inside a training step")
+
+    monkeypatch.setattr(remat.dynamo_backend, "measure_op_times", no_measuring)
+    for k, (batch, length) in enumerate([(4, 128), (2, 200), (4, 96), (3, 160), (4, 128)]):
+        ids = torch.randint(96, (batch, length), generator=torch.Generator().manual_seed(k))
+        peak = paired_step(ref, rm, ids, seed=k)
+        for a, b in zip(ref.parameters(), rm.parameters()):
+            assert torch.equal(a.grad, b.grad), (batch, length)
+        family = rm.shapes.serving
+        assert peak <= rm.shapes.budget_at(family, (batch, length)) + LOSS_SLACK_BYTES \
+            if family.sized.symbols else peak <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
+    assert len(rm.shapes.families) == 2, rm.shapes.summary()
+    dynamic = rm.shapes.serving
+    assert len(dynamic.sized.symbols) == 2 and dynamic.sized.sizes == (4, 128)
+    # Ops the two graphs share carry the static graph's measured costs, unchanged.
+    carried = {(op.time, op.workspace) for op in dynamic.sized.graph.ops}
+    assert sum(c in carried for c in static_costs) >= 0.9 * len(static_costs)
+
+    # Graphs that are not the same step carry nothing.
+    from dataclasses import replace
+    from remat.costs import carry_costs
+
+    graph = static.sized.graph
+    shuffled = replace(graph, ops=tuple(reversed(graph.ops)))
+    assert carry_costs(graph, shuffled, [0.0] * len(graph.ops)) is None
+
+
+def test_dynamic_false_captures_each_new_shape_on_its_own_and_bad_values_are_refused():
+    ref = tiny_gpt2()
+    example = torch.randint(96, (2, 64), generator=torch.Generator().manual_seed(2))
+    rm = remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example,
+                             budget="62%", time_limit=TIME_LIMIT, cache=False, dynamic=False)
+    for k, length in enumerate((64, 80)):
+        ids = torch.randint(96, (2, length), generator=torch.Generator().manual_seed(k))
+        paired_step(ref, rm, ids, seed=k)
+        for a, b in zip(ref.parameters(), rm.parameters()):
+            assert torch.equal(a.grad, b.grad), length
+    assert [f.sized.symbols for f in rm.shapes.families.values()] == [(), ()]
+    with pytest.raises(TypeError, match=r"dynamic='yes'.*expected None .*, True or False"):
+        remat.rematerialize(tiny_gpt2(), input_ids=example, labels=example, dynamic="yes")
