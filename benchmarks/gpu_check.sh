@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One prepared CUDA check (issue 14), at most 285 s on one GPU (every step has a timeout):
+# One prepared CUDA check (issue 14), at most 375 s on one GPU (every step has a timeout):
 # exactness and peaks of remat on CUDA (pytest -m gpu), then the side-by-side comparison with
 # eager, per-block checkpointing and torch.compile's memory budget on GPT-2- and Llama-style
-# models. Run from the repository root:
+# models, then HiRemate under FSDP2 sharded over one process (world size 1, NCCL: issue 33).
+# Run from the repository root:
 #     bash benchmarks/gpu_check.sh            # prints everything; exit status of the tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +15,6 @@ for model in hf-gpt2 hf-llama gpt; do
         --d-model 512 --heads 8 --seq 512 --vocab 8192 --batch 8 --budgets 100 50 \
         --time-limit 10 --steps 10 || echo "remat_compare --model $model: exit $?"
 done
+timeout 90 python -m benchmarks.remat_fsdp --device cuda --ranks 1 --quick \
+    || echo "remat_fsdp --ranks 1: exit $?"
 exit "$status"

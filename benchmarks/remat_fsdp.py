@@ -4,8 +4,10 @@
     python -m benchmarks.remat_fsdp --model hf-llama --budgets 50 --steps 6
     python -m benchmarks.remat_fsdp --device cuda         # 2 GPUs, NCCL
     python -m benchmarks.remat_fsdp --quick               # Llama only, budget 50, 3 steps
+    python -m benchmarks.remat_fsdp --device cuda --ranks 1 --quick   # one GPU (gpu_check.sh)
 
 The command re-launches itself under ``torch.distributed.run --standalone --nproc_per_node 2``
+(``--ranks``)
 (gloo on CPU with ``OMP_NUM_THREADS=1``, NCCL on CUDA). On each rank, every method builds the
 same model from a config (``torch.manual_seed(0)``: the same weights for all, nothing
 downloaded), shards each decoder layer and then the root with ``fully_shard`` and trains a few
@@ -47,7 +49,7 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-WORLD = 2
+WORLD = 2  # ranks unless --ranks says otherwise
 COMPILE_BUDGET = 0.5
 MODELS = ("hf-llama", "hf-gpt2")
 
@@ -348,14 +350,14 @@ def worker(args: argparse.Namespace) -> None:
 # ---- the launching process -------------------------------------------------------------------
 
 
-def launch(argv: list[str], device: str) -> dict[int, dict]:
-    """This module under ``torchrun`` on 2 processes; each rank's ``RESULT`` by rank."""
+def launch(argv: list[str], device: str, world: int = WORLD) -> dict[int, dict]:
+    """This module under ``torchrun`` on ``world`` processes; each rank's ``RESULT`` by rank."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(WORLD), "-m", "benchmarks.remat_fsdp", "--worker", *argv]
+           "--nproc_per_node", str(world), "-m", "benchmarks.remat_fsdp", "--worker", *argv]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"remat_fsdp: the ranks failed (exit {proc.returncode}):\n"
@@ -364,8 +366,8 @@ def launch(argv: list[str], device: str) -> dict[int, dict]:
     decoder = json.JSONDecoder()
     results = [decoder.raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]]
     by_rank = {r["rank"]: r for r in results}
-    if sorted(by_rank) != list(range(WORLD)):
-        raise RuntimeError(f"remat_fsdp: expected a RESULT from each of {WORLD} ranks, got "
+    if sorted(by_rank) != list(range(world)):
+        raise RuntimeError(f"remat_fsdp: expected a RESULT from each of {world} ranks, got "
                            f"{sorted(by_rank)}:\n{proc.stdout[-4000:]}")
     return by_rank
 
@@ -480,8 +482,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--solver", default=None, help="ours: the solver (default remat's)")
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="hf-llama, budget 50, 3 steps")
+    parser.add_argument("--ranks", type=int, default=WORLD,
+                        help="ranks (default 2; 1 shards over one process, e.g. one GPU)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error(f"--ranks {args.ranks}: expected a number of ranks >= 1, e.g. --ranks 1 on "
+                     "one GPU")
     if args.quick:
         args.model, args.budgets, args.steps, args.time_steps = "hf-llama", [50], 3, 3
     args.models = list(MODELS) if args.model == "both" else [args.model]
@@ -499,7 +506,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         worker(args)
         return []
     start = time.perf_counter()
-    by_rank = launch([a for a in argv if a != "--worker"], args.device)
+    by_rank = launch([a for a in argv if a != "--worker"], args.device, args.ranks)
     rows = combine(by_rank)
     info = by_rank[0]
     print(f"remat_fsdp: models={','.join(args.models)} FSDP2 on {info['world']} ranks "
