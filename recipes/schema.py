@@ -26,7 +26,7 @@ from recipes.errors import InvalidValue
 from recipes.optim import OptimConfig
 from recipes.registry import Plugin, Task
 
-__all__ = ["Accelerator", "TrainerConfig", "FIXED_SECTIONS", "build_schema"]
+__all__ = ["Accelerator", "FSDP2", "TrainerConfig", "FIXED_SECTIONS", "build_schema"]
 
 # Lightning precision strings the recipes accept (Trainer(precision=...)).
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -42,6 +42,10 @@ class Accelerator(Enum):
     auto = "auto"
 
 
+# trainer.strategy naming Lightning's ModelParallelStrategy used for FSDP2 (see TrainerConfig)
+FSDP2 = "fsdp2"
+
+
 @dataclass
 class TrainerConfig:
     """The ``trainer:`` section: Lightning Trainer settings and the runner's own reporting.
@@ -50,7 +54,11 @@ class TrainerConfig:
         max_steps: Optimizer steps to train (>= 1); epochs repeat as needed.
         accelerator: ``cpu`` (default), ``cuda``/``gpu``, ``mps`` or ``auto``.
         devices: Lightning's ``devices`` (an int >= 1, a list of ids, or ``"auto"``).
-        strategy: Lightning's ``strategy`` (``auto``, ``ddp``, ...).
+        strategy: Lightning's ``strategy`` (``auto``, ``ddp``, ...), or ``fsdp2``: Lightning's
+            ``ModelParallelStrategy`` with ``data_parallel_size=devices`` and no tensor
+            parallelism, the task's ``configure_model`` sharding the network with FSDP2's
+            ``fully_shard`` (each decoder layer, then the network); ``devices`` must then be an
+            int (the processes of this one node).
         precision: One of ``32-true`` (default), ``64-true``, ``16-mixed``, ``bf16-mixed``,
             ``16-true``, ``bf16-true``.
         gradient_clip_val: Clip the global gradient norm to this (> 0), or ``null`` for none.
@@ -118,6 +126,11 @@ class TrainerConfig:
         if not ok:
             raise InvalidValue(
                 "devices", devices, 'expected an int >= 1, a list of device ids or "auto"'
+            )
+        if self.strategy == FSDP2 and not isinstance(devices, int):
+            raise InvalidValue(
+                "devices", devices, "expected an int >= 1 with strategy=fsdp2 (the number of "
+                "processes FSDP2 shards over, e.g. trainer.devices=2)"
             )
 
 

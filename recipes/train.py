@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from integrations._lightning_warnings import quiet_leafspec
 from recipes.errors import RecipeError
 from recipes.registry import all_plugins, get_task
-from recipes.schema import TrainerConfig
+from recipes.schema import FSDP2, TrainerConfig
 from recipes.stats import FitPhases, RunStats, Summary, format_summary
 
 __all__ = [
@@ -76,13 +76,18 @@ def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback]) -> L.Trainer:
     # interval past max_steps means "no validation inside fit".
     interval = cfg.val_every_n_steps or cfg.max_steps + 1
     logger = CSVLogger(cfg.default_root_dir, name="logs") if cfg.logger else False
+    strategy: Any = cfg.strategy
+    if strategy == FSDP2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=cfg.devices, tensor_parallel_size=1)
     try:
         return L.Trainer(
             max_steps=cfg.max_steps,
             max_epochs=-1,
             accelerator=cfg.accelerator.value,
             devices=cfg.devices,
-            strategy=cfg.strategy,
+            strategy=strategy,
             precision=cfg.precision,
             gradient_clip_val=cfg.gradient_clip_val,
             val_check_interval=interval,

@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch.nn import functional as F
+from typing_extensions import override
 
 from recipes.module import RecipeModule
 
@@ -42,3 +43,22 @@ class GPTLanguageModel(RecipeModule):
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_ppl", torch.exp(loss), sync_dist=True)
         self.log("val_bpb", loss / math.log(2.0), sync_dist=True)
+
+
+class ShardedLanguageModel(GPTLanguageModel):
+    """:class:`GPTLanguageModel` whose network FSDP2 shards under ``trainer.strategy: fsdp2``:
+    each of ``net.layers`` with ``fully_shard``, then ``net`` (the module ``training_step``
+    calls, as ``HiRemateCallback`` needs: NOTE [ Remat inside an FSDP unit ] in
+    ``integrations/_fsdp.py``). Without a device mesh (any other strategy) nothing is sharded."""
+
+    @override
+    def configure_model(self) -> None:  # noqa: D102 - Lightning hook
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self.device_mesh
+        if mesh is None or isinstance(self.net, FSDPModule):  # not FSDP2, or sharded already
+            return
+        mesh = mesh["data_parallel"]
+        for layer in self.net.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
