@@ -1,8 +1,8 @@
 """``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
 
 NOTE [ Later input shapes ]
-The example call is captured with dynamic dimensions (NOTE [ Dynamic shapes ]), so a batch of
-another size (dynamic padding, a short last batch, another image size) is the same graph at
+Once a run has met two shapes, its step is captured with dynamic dimensions (NOTE [ Dynamic
+shapes ], NOTE [ Static first ]), so a batch of another size (dynamic padding, a short last batch, another image size) is the same graph at
 other sizes: it runs the fastest schedule that fits the budget there, re-priced by the
 simulator, and a new schedule is solved only for a size bucket none fits
 (NOTE [ Shape-generic plans ] in ``remat/sizes.py``). A byte budget holds for every size; a
@@ -12,27 +12,22 @@ failing in the middle of training. A graph dynamo has to specialise (a size of 1
 profiled and solved on its own.
 
 NOTE [ Static first ]
-Tracing with symbolic sizes is what makes a capture slow: ``torch.compile(backend="aot_eager")``
-of a 4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2
-cores, the symbolic arithmetic spread over every op; our own capture of it 2.3 s against ~6 s.
-``rematerialize(dynamic=None)`` therefore captures the example's shapes as they are, as
-``torch.compile`` does by default, and a run whose shapes never change pays nothing for sizes it
-never sees. The first call of another shape (dtype or mode: any call the static graphs do not
-serve) captures once more with dynamic dimensions; that graph does the same work as the static
-one at the example's sizes, so it takes the static graph's measured op costs and is solved at the
-example's sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic capture ]
-in ``remat/costs.py``): nothing is measured inside that training step, and the plan does not
-depend on which shape came second. From then on that family serves every size
-(``ShapePlans.serving``). ``dynamic=True`` (the default for now) captures with dynamic dimensions
-at once; ``False`` captures every new shape on its own.
-
-Not the default yet, because a run whose shapes vary then captures a graph at whatever shape
-came second, and dynamo gives equal sizes one symbol (duck sizing): a batch of 32 through a
-layer 32 wide yields a graph that only serves batches of 32, and the next batch is one more
-capture and solve inside a step (the example, chosen by the user, rarely has such a
-coincidence). Each schedule a varying run uses is also its own compile (NOTE [ A schedule in
-use is worth a little time ] in ``remat/sizes.py``), and the static graph's schedule is one
-more: a 40-step dynamic-padding run set up in 19.8 s against 4.2 s for its static capture.
+Tracing with symbolic sizes is most of a capture: ``torch.compile(backend="aot_eager")`` of a
+4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2 cores,
+the symbolic arithmetic spread over every op. So ``rematerialize`` (``dynamic=None``, the default)
+captures the example's shapes as they are, as ``torch.compile`` does by default, and a run whose
+shapes never change pays nothing for sizes it never sees: the GPT's setup went from 13.0 to
+8.7 s, and from 7.4 to 3.0 s on a later run whose plan cache holds its costs and plan. The
+first call of another shape (or dtype, or mode: any call the static graphs do not serve)
+captures once more, with dynamic dimensions, inside that step (a log line says so). That graph
+does the same work as the static one at the example's sizes, so it takes the static graph's
+measured op costs and is solved at the example's sizes, as if it had been captured first (NOTE
+[ Costs carried to the dynamic capture ] in ``remat/costs.py``): nothing is measured inside
+that step, and its plan does not depend on which shape came second. From then on that family
+serves every size (``ShapePlans.serving``), as NOTE [ Later input shapes ] says. A run whose
+shapes vary pays the static capture on top (the 40-step dynamic-padding test: 19.8 s of setup in
+all, 4.2 s of it the static capture); ``dynamic=True`` captures with dynamic dimensions at once,
+``False`` captures every new shape on its own.
 
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
@@ -262,7 +257,8 @@ class RematModule(nn.Module):
     """An ``nn.Module`` equivalent to the one it wraps, with a rematerialized backward.
 
     Calls with gradients enabled run a compiled schedule; calls without gradients run the
-    original module. The graph is captured once with dynamic dimensions, and each batch runs the
+    original module. The example is captured with its static shapes and, once another shape
+    comes, the step once more with dynamic dimensions (NOTE [ Static first ]); each batch runs the
     fastest schedule that fits the budget at its sizes: see NOTE [ Shape-generic plans ] and
     NOTE [ Later input shapes ] in :mod:`remat.module`. NOTE [ Sharing the original's state ].
 
@@ -274,7 +270,7 @@ class RematModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, backend: RematBackend,
-                 eager: EagerOnly | None = None, *, dynamic: bool | None = True) -> None:
+                 eager: EagerOnly | None = None, *, dynamic: bool | None = None) -> None:
         super().__init__()
         self._modules.update(module._modules)
         self._parameters.update(module._parameters)
@@ -285,6 +281,9 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_remat_backend", backend)
         object.__setattr__(self, "_remat_slots", {})  # schedule entry (or None) -> compiled step
         object.__setattr__(self, "_remat_decisions", {})  # call key -> schedule entry
+        # NOTE [ A call runs what its first call ran ]: call keys whose entry is the unmodified
+        # step but whose first call ran its compiled copy
+        object.__setattr__(self, "_remat_compiled_keys", set())
         # NOTE [ A budget the eager step fits ]: the calls that run eagerly without a capture
         object.__setattr__(self, "_remat_eager", eager)
         # NOTE [ Static first ]: whether the next capture has dynamic dimensions, and whether
@@ -393,8 +392,11 @@ class RematModule(nn.Module):
             # NOTE [ Static first ]: only static captures so far, and this call is none of
             # theirs (its shapes, dtypes or mode are new): capture it, with dynamic dimensions
             # from now on unless the user asked for static ones.
-            if self._remat_auto:
+            if self._remat_auto and not self._remat_dynamic:
                 object.__setattr__(self, "_remat_dynamic", True)
+                log.info("remat: a call of new shapes; capturing the step once more, with dynamic "
+                         "dimensions that serve every later size (NOTE [ Static first ]): "
+                         "seconds, inside this step")
             return None, True
         sizes = first.sizes_of(leaves)
         if sizes is None:
@@ -444,7 +446,8 @@ class RematModule(nn.Module):
         decisions = self._remat_decisions
         try:
             entry, settled = (decisions[key], True) if key in decisions else self._decide(leaves)
-            eager = entry is not None and backend.shapes.entries[entry].eager
+            eager = entry is not None and backend.shapes.entries[entry].eager \
+                and key not in self._remat_compiled_keys
             out = None if eager else self._run_compiled(entry, leaves, args, kwargs)
         except (RematError, *_CONTROL_FLOW):
             raise
@@ -469,9 +472,21 @@ class RematModule(nn.Module):
                 slots[("auto", id(code))] = (compiled, slot_backend, code)
             else:
                 slots[entry] = (compiled, slot_backend, code)
+            if backend.shapes.entries[entry].eager:
+                self._remat_compiled_keys.add(key)  # NOTE [ A call runs what its first call ran ]
         if settled:
             decisions.setdefault(key, entry)
         return out
+
+    # NOTE [ A call runs what its first call ran ]
+    # A call that captures a new graph runs the compiled step it captured, whichever schedule it
+    # is filed under; when that is the unmodified step, which later calls of those sizes run
+    # eagerly (NOTE [ The unmodified step runs eagerly ]), calls of the same shapes keep running
+    # the compiled copy instead. Otherwise a layer under ``torch.utils.checkpoint`` (FSDP2 units
+    # that keep only their inputs: NOTE [ One step budget over FSDP units ]) met a new shape in
+    # forward, ran the compiled unmodified step, and was recomputed in backward by the eager
+    # step, whose saved tensors differ: ``CheckpointError: Recomputed values ... have different
+    # metadata``, and the rank died (a 20-step dynamic-padding run under Lightning's FSDP2).
 
     def _measure_before_capture(self, args: tuple, kwargs: dict, spec: str) -> None:
         """NOTE [ A budget the eager step fits ]: a batch larger than the example is captured
@@ -545,7 +560,7 @@ def rematerialize(
     cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
-    dynamic: bool | None = True,
+    dynamic: bool | None = None,
     example_kwargs: dict[str, Any] | None = None,
     **call_kwargs: Any,
 ) -> RematModule:
@@ -580,12 +595,13 @@ def rematerialize(
         step_peak_bytes: The measured eager peak of the whole training step the module runs
             in, when part of the step is outside it (a loss head): percentages are of it, and
             what it adds to the module's peak is charged against the budget.
-        dynamic: ``True`` (default) captures with dynamic dimensions, one graph for every
-            batch size and length; ``None`` captures the example's shapes, as ``torch.compile``
-            does by default, about 3x faster for a run whose shapes never change, and when a
-            call of other sizes comes captures once more with dynamic dimensions, its op costs
-            carried over from the first capture; ``False`` captures every new shape on its
-            own. See NOTE [ Static first ].
+        dynamic: ``None`` (default) captures the example's shapes, as ``torch.compile`` does
+            by default (about twice as fast a setup for a run whose shapes never change), and
+            when a call of other sizes comes captures once more with dynamic dimensions that
+            serve every later size, its op costs carried over from the first capture; ``True``
+            captures with dynamic dimensions at once (shapes that vary from the first batches:
+            no second capture); ``False`` captures every new shape on its own. See NOTE
+            [ Static first ].
         example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
             forward takes a name that is also one of these options (``cache``, ``budget``...),
             which would otherwise go to remat (NOTE [ Options that share a name with the
