@@ -294,20 +294,20 @@ def test_lightning_fsdp2_with_bf16_mixed_precision(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_lightning_fsdp2_with_dynamic_padding_on_ranks_seeing_different_shapes(tmp_path):
-    """Issue 33: batches padded to their longest (16-95 tokens), the two ranks seeing different
-    lengths on the same step: every step of every rank measures at most half of the warmup step
-    that rank measured (the budget's reference; 2% for FSDP's jitter), losses bit for bit. Slow (minutes on 2 cores): each unit meets new sizes
-    inside training and plans them on its own rank."""
+    """Issue 33: 20 steps of batches padded to their longest (16-95 tokens), the two ranks
+    seeing different lengths on the same step: every step of every rank measures at most half of
+    the warmup step that rank measured (the budget's reference; 2% for FSDP's jitter), losses
+    bit for bit. Slow (~7 min on 2 busy cores): each unit meets new sizes inside training, is
+    captured once more with dynamic dimensions (NOTE [ Static first ]) and plans them on its own
+    rank. Measured: every step at most 0.383 of its rank's warmup step."""
     pytest.importorskip("transformers")
-    plain = fit_fsdp2(tmp_path, "none", "padding", 8)
-    ours = fit_fsdp2(tmp_path, "50%", "padding", 8)
+    plain = fit_fsdp2(tmp_path, "none", "padding", 20)
+    ours = fit_fsdp2(tmp_path, "50%", "padding", 20)
     assert any(a != b for a, b in zip(plain[0]["shapes"], plain[1]["shapes"]))
     for rank in (0, 1):
         assert ours[rank]["shapes"] == plain[rank]["shapes"]
         assert ours[rank]["losses"] == plain[rank]["losses"]
-        so_far = [max(plain[rank]["peaks"][:k + 1]) for k in range(len(plain[rank]["peaks"]))]
-        print(rank, ours[rank]["warmup"], ours[rank]["peaks"], plain[rank]["peaks"],
-              [round(a / b, 3) for a, b in zip(ours[rank]["peaks"], so_far)])
+        assert len(ours[rank]["losses"]) == 20
         # the budget: half of the warmup step this rank measured (its first batch's shapes)
         assert max(ours[rank]["peaks"]) <= 0.5 * ours[rank]["warmup"] * 1.02
 

@@ -494,3 +494,27 @@ def test_backward_is_handed_storages_not_views(budget):
     storages = [t.untyped_storage().data_ptr() for t in handed]
     assert len(set(storages)) == len(storages), "two saved tensors share a storage"
     assert x.untyped_storage().data_ptr() in storages
+
+
+def test_a_new_shape_met_under_checkpoint_is_recomputed_by_the_graph_that_ran_it():
+    """NOTE [ A call runs what its first call ran ]: a smaller batch, met first inside
+    ``torch.utils.checkpoint`` (as FSDP2 units that keep only their inputs run), is captured in
+    forward and runs the compiled unmodified step; its recomputation in backward must run that
+    same step, not the eager one whose saved tensors differ (a CheckpointError killed a rank)."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, _ = make("mlp")
+    model, _ = make("mlp")
+    batch = torch.randn(512, 32)
+    rm = remat.rematerialize(model, batch, budget="70%", time_limit=TIME_LIMIT)
+    short = batch[:64]
+    for _ in range(2):  # the capturing call, then a call of the same shapes
+        for p in [*ref.parameters(), *model.parameters()]:
+            p.grad = None
+        scalar_of(checkpoint(rm, short, use_reentrant=False)).backward()
+        scalar_of(ref(short)).backward()
+        for a, b in zip(grads(ref), grads(model)):
+            assert torch.equal(a, b)
+    family = rm.shapes.serving
+    entry = rm.shapes.choose(family.key, (64,)).entry
+    assert rm.shapes.entries[entry].eager  # else this test tests nothing
