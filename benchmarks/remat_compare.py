@@ -278,10 +278,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
     parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--dynamic", action="store_const", const=True, default=None,
-                        help="remat captures with dynamic dimensions at once (rematerialize("
-                        "dynamic=True)) instead of the example's static shapes first (NOTE "
-                        "[ Static first ] in remat/module.py)")
+    parser.add_argument("--static-first", dest="dynamic", action="store_const", const=None,
+                        default=True, help="remat captures the example's static shapes first "
+                        "(rematerialize(dynamic=None), NOTE [ Static first ] in remat/module.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     size = f"depth={args.depth}" if args.model == "unet" else f"layers={args.layers}"
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
              else f"threads={torch.get_num_threads()}")
-    capture = "static first" if args.dynamic is None else "dynamic at once"
+    capture = "static first" if args.dynamic is None else "dynamic"
     print(f"remat_compare: model={args.model} {size} batch={args.batch} solver={args.solver} "
           f"capture={capture} torch={torch.__version__} {args.device} {where} "
           f"(median of {args.steps} steps, methods taking turns)")

@@ -1,8 +1,8 @@
 """``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
 
 NOTE [ Later input shapes ]
-Once a run has met two shapes, its step is captured with dynamic dimensions (NOTE [ Dynamic
-shapes ], NOTE [ Static first ]), so a batch of another size (dynamic padding, a short last batch, another image size) is the same graph at
+The example call is captured with dynamic dimensions (NOTE [ Dynamic shapes ]), so a batch of
+another size (dynamic padding, a short last batch, another image size) is the same graph at
 other sizes: it runs the fastest schedule that fits the budget there, re-priced by the
 simulator, and a new schedule is solved only for a size bucket none fits
 (NOTE [ Shape-generic plans ] in ``remat/sizes.py``). A byte budget holds for every size; a
@@ -12,22 +12,29 @@ failing in the middle of training. A graph dynamo has to specialise (a size of 1
 profiled and solved on its own.
 
 NOTE [ Static first ]
-Tracing with symbolic sizes is most of a capture: ``torch.compile(backend="aot_eager")`` of a
-4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2 cores,
-the symbolic arithmetic spread over every op. So ``rematerialize`` (``dynamic=None``, the default)
-captures the example's shapes as they are, as ``torch.compile`` does by default, and a run whose
-shapes never change pays nothing for sizes it never sees: the GPT's setup went from 13.0 to
-8.7 s, and from 7.4 to 3.0 s on a later run whose plan cache holds its costs and plan. The
-first call of another shape (or dtype, or mode: any call the static graphs do not serve)
-captures once more, with dynamic dimensions, inside that step (a log line says so). That graph
-does the same work as the static one at the example's sizes, so it takes the static graph's
-measured op costs and is solved at the example's sizes, as if it had been captured first (NOTE
-[ Costs carried to the dynamic capture ] in ``remat/costs.py``): nothing is measured inside
-that step, and its plan does not depend on which shape came second. From then on that family
-serves every size (``ShapePlans.serving``), as NOTE [ Later input shapes ] says. A run whose
-shapes vary pays the static capture on top (the 40-step dynamic-padding test: 19.8 s of setup in
-all, 4.2 s of it the static capture); ``dynamic=True`` captures with dynamic dimensions at once,
-``False`` captures every new shape on its own.
+Tracing with symbolic sizes is what makes a capture slow: ``torch.compile(backend="aot_eager")``
+of a 4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2
+cores, the symbolic arithmetic spread over every op; our own capture of it 2.3 s against ~6 s.
+``rematerialize(dynamic=None)`` therefore captures the example's shapes as they are, as
+``torch.compile`` does by default, and a run whose shapes never change pays nothing for sizes it
+never sees. The first call of another shape (dtype or mode: any call the static graphs do not
+serve) captures once more with dynamic dimensions; that graph does the same work as the static
+one at the example's sizes, so it takes the static graph's measured op costs and is solved at the
+example's sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic capture ]
+in ``remat/costs.py``): nothing is measured inside that training step, and the plan does not
+depend on which shape came second. From then on that family serves every size
+(``ShapePlans.serving``). ``dynamic=True`` (the default for now) captures with dynamic dimensions
+at once; ``False`` captures every new shape on its own.
+
+Measured: the benchmark GPT's setup 13.0 -> 8.7 s, and 7.4 -> 3.0 s on a later run whose plan
+cache holds its costs and plan (``torch.compile`` with the budget: 4.0-4.6 s). Not the default,
+because a run whose shapes vary pays more than the static capture it adds: the dynamic family is
+solved once more at the example's sizes, and its schedules are compiles of their own besides the
+static graph's (5 schedules in use instead of 3). The 40-step dynamic-padding run of
+``tests/remat/test_shapes.py`` set up in 27-28 s against 16.5-21 s captured dynamic at once
+(same process, a busy neighbour). Captured at whatever shape came second, the dynamic graph can
+also take a coincidence for a rule (dynamo gives equal sizes one symbol: a batch of 32 through a
+layer 32 wide), which a capture of the user's example rarely does.
 
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
@@ -257,8 +264,7 @@ class RematModule(nn.Module):
     """An ``nn.Module`` equivalent to the one it wraps, with a rematerialized backward.
 
     Calls with gradients enabled run a compiled schedule; calls without gradients run the
-    original module. The example is captured with its static shapes and, once another shape
-    comes, the step once more with dynamic dimensions (NOTE [ Static first ]); each batch runs the
+    original module. The graph is captured once with dynamic dimensions, and each batch runs the
     fastest schedule that fits the budget at its sizes: see NOTE [ Shape-generic plans ] and
     NOTE [ Later input shapes ] in :mod:`remat.module`. NOTE [ Sharing the original's state ].
 
@@ -270,7 +276,7 @@ class RematModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, backend: RematBackend,
-                 eager: EagerOnly | None = None, *, dynamic: bool | None = None) -> None:
+                 eager: EagerOnly | None = None, *, dynamic: bool | None = True) -> None:
         super().__init__()
         self._modules.update(module._modules)
         self._parameters.update(module._parameters)
@@ -560,7 +566,7 @@ def rematerialize(
     cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
-    dynamic: bool | None = None,
+    dynamic: bool | None = True,
     example_kwargs: dict[str, Any] | None = None,
     **call_kwargs: Any,
 ) -> RematModule:
@@ -595,13 +601,12 @@ def rematerialize(
         step_peak_bytes: The measured eager peak of the whole training step the module runs
             in, when part of the step is outside it (a loss head): percentages are of it, and
             what it adds to the module's peak is charged against the budget.
-        dynamic: ``None`` (default) captures the example's shapes, as ``torch.compile`` does
-            by default (about twice as fast a setup for a run whose shapes never change), and
-            when a call of other sizes comes captures once more with dynamic dimensions that
-            serve every later size, its op costs carried over from the first capture; ``True``
-            captures with dynamic dimensions at once (shapes that vary from the first batches:
-            no second capture); ``False`` captures every new shape on its own. See NOTE
-            [ Static first ].
+        dynamic: ``True`` (default) captures with dynamic dimensions, one graph for every
+            batch size and length; ``None`` captures the example's shapes, as ``torch.compile``
+            does by default, about 3x faster for a run whose shapes never change, and when a
+            call of other sizes comes captures once more with dynamic dimensions, its op costs
+            carried over from the first capture; ``False`` captures every new shape on its
+            own. See NOTE [ Static first ].
         example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
             forward takes a name that is also one of these options (``cache``, ``budget``...),
             which would otherwise go to remat (NOTE [ Options that share a name with the

@@ -1,13 +1,12 @@
 """Symbolic sizes: what a dynamic-shape joint graph says about bytes, and its value on a batch.
 
 NOTE [ Dynamic shapes ]
-Once a run meets a second shape (NOTE [ Static first ] in ``remat/module.py``), or with
-``rematerialize(dynamic=True)``, the step is captured with dynamic dimensions
-(``torch.compile(dynamic=True)``), so one joint graph stands for every batch size and sequence
-length: tensor shapes in it are sympy expressions of a few size symbols (``s27*s52*512``).
-Lowering evaluates them at the captured batch (its *hint*) for the solvers, which only ever see
-plain integers, and keeps the expressions so that a schedule can be re-priced at any other size
-without tracing again (:mod:`remat.sizes`). Nothing here adds a guard: hints are read with
+``rematerialize`` captures with dynamic dimensions (``torch.compile(dynamic=True)``), so one
+joint graph stands for every batch size and sequence length: tensor shapes in it are sympy
+expressions of a few size symbols (``s27*s52*512``). Lowering evaluates them at the captured
+batch (its *hint*) for the solvers, which only ever see plain integers, and keeps the
+expressions so that a schedule can be re-priced at any other size without tracing again
+(:mod:`remat.sizes`). Nothing here adds a guard: hints are read with
 ``optimization_hint``, never by comparing symbolic values.
 """
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Many input shapes, many models, one process: NOTE [ Shape-generic plans ] as users hit it.
 
 No test here resets dynamo, nor does the suite between them (``dynamo_state_carries``): they run
-the way a training script does, one process, many models and calls. Tests of how one graph
-serves many sizes capture it with ``dynamic=True`` at once; the default captures the example's
-static shapes first, then once with dynamic ones (NOTE [ Static first ], tested at the end).
+the way a training script does, one process, many models and calls.
 """
 from __future__ import annotations
 
@@ -56,14 +54,12 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
     gen = torch.Generator().manual_seed(0)
     example = torch.randint(96, (4, 128), generator=gen)
 
-    # The setup this is compared with: the same model and example captured once with dynamic
-    # dimensions, which serve every size. The run below captures the example's static shapes,
-    # then once more with dynamic ones at its second shape (NOTE [ Static first ]).
+    # The single-shape setup this is compared with: the same model and example, one shape.
     t0 = time.perf_counter()
     # 62% of the eager step as a user measures it (model(**batch).loss.backward(), the logits
     # dropped) is the 65% of the step measured with the logits held this test was sized at.
     remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example, budget="62%",
-                        time_limit=TIME_LIMIT, dynamic=True)
+                        time_limit=TIME_LIMIT)
     single_setup = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -106,8 +102,8 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
             checked += 1
     solves = len(rm.plans)
     # What the run did, shown only when an assertion fails (tests print nothing themselves).
-    report = (f"40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s (one dynamic "
-              f"capture {single_setup:.1f} s); {checked} steps within the budget\n{rm.shapes.summary()}")
+    report = (f"40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s (single shape "
+              f"{single_setup:.1f} s); {checked} steps within the budget\n{rm.shapes.summary()}")
     assert solves <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1, report
     assert checked >= 28, report
     assert setup <= 3 * single_setup, report
@@ -127,8 +123,7 @@ def paired_step(ref, rm, ids, seed):
 
 
 def first_family(rm) -> str:
-    """The family every size is chosen from (NOTE [ Static first ]: not the static one)."""
-    return rm.shapes.serving.key
+    return next(iter(rm.shapes.families))
 
 
 def test_a_later_larger_batch_is_rematerialized_not_run_unmodified():
@@ -177,7 +172,7 @@ def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_s
     model = tiny_gpt2()
     example = torch.randint(96, (2, 40))
     rm = remat.rematerialize(model, input_ids=example, labels=example, budget="65%",
-                             time_limit=TIME_LIMIT, dynamic=True)
+                             time_limit=TIME_LIMIT)
     solved = []
     real = remat.planner.plan_graph
 
@@ -242,7 +237,7 @@ def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatc
         copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
     budget = int(0.95 * eager.peak_bytes)
     rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
-                             time_limit=TIME_LIMIT, dynamic=True)
+                             time_limit=TIME_LIMIT)
     real = remat.planner.plan_graph
 
     def failing(graph, b, **kw):
@@ -283,7 +278,7 @@ def test_views_and_fresh_batches_share_one_capture():
                torch.randint(96, (3, 260), generator=gen)]
     assert batches[0]._base is long and batches[1]._base is None
     rm = remat.rematerialize(model, input_ids=batches[0], labels=batches[0], budget="65%",
-                             time_limit=TIME_LIMIT, dynamic=True)
+                             time_limit=TIME_LIMIT)
     frames = counters["stats"]["unique_graphs"]
     for k, ids in enumerate(batches):
         for p in [*ref.parameters(), *model.parameters()]:
@@ -307,7 +302,7 @@ def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     ref = tiny_gpt2()
     example = torch.randint(96, (4, 128))
     rm = remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example,
-                             budget="65%", time_limit=TIME_LIMIT, dynamic=True)
+                             budget="65%", time_limit=TIME_LIMIT)
     captures = counters["aot_autograd"]["total"]
     for k, (batch, length) in enumerate([(2, 40), (1, 33), (3, 17)]):
         ids = torch.randint(96, (batch, length))
@@ -407,12 +402,12 @@ def test_one_capture_per_schedule_and_float_arguments_stay_symbolic():
     before = counters["aot_autograd"]["total"]
     example = torch.randint(96, (2, 64))
     remat.rematerialize(tiny_gpt2(), input_ids=example, labels=example, budget="65%",
-                        time_limit=TIME_LIMIT, dynamic=True)
+                        time_limit=TIME_LIMIT)
     assert counters["aot_autograd"]["total"] - before == 1  # was 2: a restarted analysis
 
     ref = ScaledMLP().train()
     rm = remat.rematerialize(copy.deepcopy(ref), torch.randn(256, 32), 0.5, budget="70%",
-                             time_limit=TIME_LIMIT, dynamic=True)
+                             time_limit=TIME_LIMIT)
     captures = counters["aot_autograd"]["total"]
     x = torch.randn(256, 32)
     for k, scale in enumerate((0.5, 0.7, 1.3, 2.0)):
@@ -468,7 +463,7 @@ class _DictMLP(nn.Module):
 def test_summary_and_warnings_name_sizes_by_input_and_axis():
     torch.manual_seed(0)
     rm = remat.rematerialize(_DictMLP(), {"x": torch.randn(64, 16, 32)}, budget="800000B",
-                             time_limit=5, dynamic=True)
+                             time_limit=5)
     rm({"x": torch.randn(32, 16, 32)}).sum().backward()  # fits as it is: runs eagerly
     with pytest.warns(UserWarning) as record:  # cannot fit this budget
         rm({"x": torch.randn(128, 16, 32)}).sum().backward()
