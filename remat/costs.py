@@ -556,7 +556,6 @@ def model_op_times(lowered: Lowered) -> list[float]:
     return times
 
 
-
 # NOTE [ Costs carried to the dynamic capture ]
 # A module is captured first with the example's static shapes (NOTE [ Static first ] in
 # remat/module.py) and again with dynamic dimensions when a call of other sizes comes. The
@@ -585,9 +584,10 @@ def carry_costs(source: RematGraph, target: RematGraph, modelled: Sequence[float
 
     def keys(graph) -> list[tuple]:
         nbytes = [v.nbytes for v in graph.values]
+        # size scalars (0 bytes) are inputs of the dynamic graph's ops only
         return [(op.signature.split("(", 1)[0], op.phase,
-                 tuple(nbytes[v] for v in op.inputs if nbytes[v]), tuple(nbytes[v] for v in op.outputs))
-                for op in graph.ops]
+                 tuple(nbytes[v] for v in op.inputs if nbytes[v]),
+                 tuple(nbytes[v] for v in op.outputs)) for op in graph.ops]
 
     theirs, ours = keys(source), keys(target)
     match: dict[int, int] = {}
