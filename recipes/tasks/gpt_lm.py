@@ -124,7 +124,6 @@ def check(model: GPTModelConfig, data: GPTDataConfig) -> None:
 
 def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
     """Build the ``gpt_lm`` LightningModule and DataModule (the recipe passed :func:`check`)."""
-    from recipes.data.stdlib_text import StdlibTextDataModule  # Lightning: only when a run builds
     from recipes.models.gpt import GPT
     from recipes.tasks._language_model import GPTLanguageModel
 
@@ -134,12 +133,18 @@ def build(model: GPTModelConfig, data: GPTDataConfig, optim: OptimConfig):
         n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout, bias=model.bias,
         tie_weights=model.tie_weights,
     )
-    datamodule = StdlibTextDataModule(
-        block_size=model.block_size, batch_size=data.batch_size, val_fraction=data.val_fraction,
-        files=data.files, shuffle_seed=data.shuffle_seed,
-        min_length=data.min_length,
+    return GPTLanguageModel(net, optim=optim), stdlib_datamodule(model.block_size, data)
+
+
+def stdlib_datamodule(block_size: int, data: GPTDataConfig):
+    """The byte-level language-model tasks' DataModule: windows of ``block_size`` bytes of the
+    stdlib text ``data`` names (imports Lightning: call it from ``build`` only)."""
+    from recipes.data.stdlib_text import StdlibTextDataModule
+
+    return StdlibTextDataModule(
+        block_size=block_size, batch_size=data.batch_size, val_fraction=data.val_fraction,
+        files=data.files, shuffle_seed=data.shuffle_seed, min_length=data.min_length,
     )
-    return GPTLanguageModel(net, optim=optim), datamodule
 
 
 TASK = Task(

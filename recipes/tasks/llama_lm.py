@@ -15,7 +15,7 @@ from recipes.errors import InvalidValue, RecipeError
 from recipes.optim import OptimConfig
 from recipes.registry import Task
 from recipes.tasks.gpt_lm import TASK as GPT_TASK
-from recipes.tasks.gpt_lm import VOCAB_SIZE, GPTDataConfig
+from recipes.tasks.gpt_lm import VOCAB_SIZE, GPTDataConfig, stdlib_datamodule
 from recipes.tasks.gpt_lm import check as check_text
 
 __all__ = ["LlamaModelConfig", "TASK"]
@@ -79,7 +79,6 @@ def check(model: LlamaModelConfig, data: GPTDataConfig) -> None:
 
 def build(model: LlamaModelConfig, data: GPTDataConfig, optim: OptimConfig):
     """Build the ``llama_lm`` LightningModule and DataModule (the recipe passed :func:`check`)."""
-    from recipes.data.stdlib_text import StdlibTextDataModule  # Lightning: only when a run builds
     from recipes.models.llama import HFLlama
     from recipes.tasks._language_model import ShardedLanguageModel
 
@@ -87,11 +86,7 @@ def build(model: LlamaModelConfig, data: GPTDataConfig, optim: OptimConfig):
     net = HFLlama(vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
                   n_head=model.n_head, n_embd=model.n_embd, intermediate_size=model.mlp_width,
                   attention_dropout=model.attention_dropout)
-    datamodule = StdlibTextDataModule(
-        block_size=model.block_size, batch_size=data.batch_size, val_fraction=data.val_fraction,
-        files=data.files, shuffle_seed=data.shuffle_seed, min_length=data.min_length,
-    )
-    return ShardedLanguageModel(net, optim=optim), datamodule
+    return ShardedLanguageModel(net, optim=optim), stdlib_datamodule(model.block_size, data)
 
 
 TASK = Task(
