@@ -603,10 +603,11 @@ def rematerialize(
             what it adds to the module's peak is charged against the budget.
         dynamic: ``True`` (default) captures with dynamic dimensions, one graph for every
             batch size and length; ``None`` captures the example's shapes, as ``torch.compile``
-            does by default, about 3x faster for a run whose shapes never change, and when a
-            call of other sizes comes captures once more with dynamic dimensions, its op costs
-            carried over from the first capture; ``False`` captures every new shape on its
-            own. See NOTE [ Static first ].
+            does by default (a shorter setup for a run whose shapes never change: a 4-layer
+            GPT's 11.5 -> 8.3 s, 5.4 -> 2.9 s on a later run), and when a call of other sizes
+            comes captures once more with dynamic dimensions, its op costs carried over from
+            the first capture (a varying run's setup is longer); ``False`` captures every new
+            shape on its own. See NOTE [ Static first ].
         example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
             forward takes a name that is also one of these options (``cache``, ``budget``...),
             which would otherwise go to remat (NOTE [ Options that share a name with the
