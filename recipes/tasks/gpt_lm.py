@@ -22,6 +22,22 @@ from recipes.registry import Task
 VOCAB_SIZE = 256  # byte-level
 
 
+def check_decoder_sizes(model) -> None:
+    """The sizes every decoder ``model:`` section has: ``block_size``, ``n_layer``, ``n_head``
+    and ``n_embd`` at least 1, ``n_embd`` a multiple of ``n_head``.
+
+    Raises:
+        InvalidValue: naming the key.
+    """
+    for key in ("block_size", "n_layer", "n_head", "n_embd"):
+        if getattr(model, key) < 1:
+            raise InvalidValue(key, getattr(model, key), "expected an int >= 1")
+    if model.n_embd % model.n_head:
+        raise InvalidValue(
+            "n_embd", model.n_embd, f"expected a multiple of model.n_head={model.n_head}"
+        )
+
+
 @dataclass
 class GPTModelConfig:
     """The ``model:`` section of ``gpt_lm`` (see :class:`recipes.models.gpt.GPT`).
@@ -45,13 +61,7 @@ class GPTModelConfig:
     tie_weights: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) < 1:
-                raise InvalidValue(key, getattr(self, key), "expected an int >= 1")
-        if self.n_embd % self.n_head:
-            raise InvalidValue(
-                "n_embd", self.n_embd, f"expected a multiple of model.n_head={self.n_head}"
-            )
+        check_decoder_sizes(self)
         if not 0.0 <= self.dropout < 1.0:
             raise InvalidValue("dropout", self.dropout, "expected a float in [0, 1)")
 

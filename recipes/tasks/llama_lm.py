@@ -15,7 +15,8 @@ from recipes.errors import InvalidValue, RecipeError
 from recipes.optim import OptimConfig
 from recipes.registry import Task
 from recipes.tasks.gpt_lm import TASK as GPT_TASK
-from recipes.tasks.gpt_lm import VOCAB_SIZE, GPTDataConfig, stdlib_datamodule
+from recipes.tasks.gpt_lm import (VOCAB_SIZE, GPTDataConfig, check_decoder_sizes,
+                                  stdlib_datamodule)
 from recipes.tasks.gpt_lm import check as check_text
 
 __all__ = ["LlamaModelConfig", "TASK"]
@@ -43,13 +44,7 @@ class LlamaModelConfig:
     attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) < 1:
-                raise InvalidValue(key, getattr(self, key), "expected an int >= 1")
-        if self.n_embd % self.n_head:
-            raise InvalidValue(
-                "n_embd", self.n_embd, f"expected a multiple of model.n_head={self.n_head}"
-            )
+        check_decoder_sizes(self)
         if self.intermediate_size is not None and self.intermediate_size < 1:
             raise InvalidValue("intermediate_size", self.intermediate_size,
                                "expected an int >= 1 or null (8/3 of n_embd)")
