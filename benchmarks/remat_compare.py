@@ -278,9 +278,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
     parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--static-first", dest="dynamic", action="store_const", const=None,
-                        default=True, help="remat captures the example's static shapes first "
-                        "(rematerialize(dynamic=None), NOTE [ Static first ] in remat/module.py)")
+    parser.add_argument("--dynamic", dest="dynamic", action="store_const", const=True,
+                        default=None, help="remat captures with dynamic dimensions at once "
+                        "(rematerialize(dynamic=True)) instead of the example's static shapes "
+                        "first (the default: NOTE [ Static first ] in remat/module.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

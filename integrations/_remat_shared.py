@@ -17,10 +17,14 @@ NOTE [ Same plan on every rank ]
     schedules may differ between ranks.
 
 NOTE [ Budgets over many batch sizes ]
-    ``remat.rematerialize`` captures the warmup batch with dynamic dimensions: later batches of
-    other sizes (dynamic padding, a short last batch) reuse the captured graph and run the
-    fastest solved schedule that fits at their size, re-priced by the simulator, with a new
-    solve only per size bucket that none fits (NOTE [ Shape-generic plans ] in
+    The integrations capture the warmup batch with dynamic dimensions at once
+    (``rematerialize(dynamic=True)``, not the plain API's static shapes first: NOTE [ Static
+    first ] in ``remat/module.py``): a dataloader's short last batch and dynamic padding make a
+    second shape all but certain in a training run, and a second capture then runs inside a
+    training step (the FSDP2 units: once per unit, on the rank that met the shape). Later
+    batches of other sizes (dynamic padding, a short last batch) reuse the captured graph and
+    run the fastest solved schedule that fits at their size, re-priced by the simulator, with a
+    new solve only per size bucket that none fits (NOTE [ Shape-generic plans ] in
     ``remat/sizes.py``). A byte budget holds for every size; a fraction follows the largest
     unmodified-step peak seen so far; a size that cannot fit runs with the lowest-peak schedule
     and one warning.
@@ -291,6 +295,7 @@ def _rematerialize(target: Target, args: tuple, kwargs: dict, settings: RematSet
         time_limit=settings.time_limit, cache=cache, eager_peak_bytes=eager,
         # NOTE [ Options that share a name with the model's ]: the call's own keywords apart
         step_peak_bytes=step, example_kwargs=kwargs,
+        dynamic=True,  # NOTE [ Budgets over many batch sizes ]
     )
     result.capture_time_s = time.perf_counter() - t0
     result.remat_module = rm

@@ -23,7 +23,8 @@ from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, costs_key, graph_key, resolve_cache
 from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
-from .costs import carry_costs, machine_tag, measure_op_times, model_op_times
+from .carry import carry_costs, carry_schedule
+from .costs import machine_tag, measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
@@ -152,11 +153,11 @@ class RematBackend:
                                        [(dims or {}).get(s) for s in symbols],
                                        [(dim_names or {}).get(s) for s in symbols])
             if self.shapes.families[key].sized.sizes != sizes:  # solved at the example's sizes
-                entry = self.shapes.choose(key, sizes).entry
+                entry = self.shapes.to_compile(key, sizes)
         elif request is not None and self.shapes.entries[request].family == key:
             entry = request  # NOTE [ Shape-generic plans ]: the slot's own schedule
         else:
-            entry = self.shapes.choose(key, sizes).entry
+            entry = self.shapes.to_compile(key, sizes)
         self.last_entry = entry
         return generate_modules(lowered, self.shapes.entries[entry].schedule, joint)
 
@@ -166,7 +167,7 @@ class RematBackend:
 
         A dynamic capture of the graph first captured with static shapes takes that graph's
         costs and is solved at the example's sizes, as if it had been captured first (NOTE
-        [ Costs carried to the dynamic capture ] in :mod:`remat.costs`)."""
+        [ Costs carried to the dynamic capture ] in :mod:`remat.carry`)."""
         carried = self._carried(lowered, symbols, sizes, dims)
         if carried is not None:
             (graph, sizes), alone = carried, False
@@ -192,6 +193,8 @@ class RematBackend:
             budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
             reference = None  # already the module's bytes
         hit = self._cached(cache_key, graph, budget, reference)
+        if hit is None and carried is not None:
+            hit = self._from_static(graph, budget, reference)
         if hit is not None:
             schedule, plan = hit
         else:
@@ -222,7 +225,7 @@ class RematBackend:
                  ) -> tuple[RematGraph, tuple[int, ...]] | None:
         """``lowered.graph`` at the sizes of the static capture's call, with that capture's
         measured op costs, and those sizes; ``None`` when this is not a dynamic capture of the
-        same step (NOTE [ Costs carried to the dynamic capture ] in :mod:`remat.costs`)."""
+        same step (NOTE [ Costs carried to the dynamic capture ] in :mod:`remat.carry`)."""
         if not symbols or self.static is None or not self.measure or \
                 any(f.sized.symbols for f in self.shapes.families.values()):
             return None
@@ -313,25 +316,47 @@ class RematBackend:
         found = self.cache.get(key)
         if found is None:
             return None
-        schedule, stored = found
+        return self._replanned(graph, *found, budget, reference, "a cached plan",
+                               cache_hit=True)
+
+    def _from_static(self, graph: RematGraph, budget: Budget, reference: Reference | None
+                     ) -> tuple[Schedule, Plan] | None:
+        """The static capture's schedule for ``graph``, its dynamic capture at the same sizes,
+        where the two are the same op for op (NOTE [ The static schedule serves the dynamic
+        graph ] in :mod:`remat.carry`)."""
+        static = self.shapes.families[self.static[0]]
+        first = self.shapes.entries[static.entries[0]]
+        schedule = carry_schedule(static.sized.graph, first.schedule, graph)
+        if schedule is None or first.plan is None:
+            return None
+        return self._replanned(graph, schedule, first.plan, budget, reference,
+                               "the static capture's plan")
+
+    def _replanned(self, graph: RematGraph, schedule: Schedule, stored: Plan, budget: Budget,
+                   reference: Reference | None, what: str, *, cache_hit: bool = False
+                   ) -> tuple[Schedule, Plan] | None:
+        """``schedule``, solved before (``stored``), re-simulated on ``graph`` and checked
+        against the budget asked for now, with its plan recomputed; ``None`` if it does not fit."""
         try:
             sim = simulate(graph, schedule)
         except (ScheduleError, IndexError) as exc:
-            warnings.warn(f"remat: ignoring a cached plan that does not fit this graph: {exc}",
-                          stacklevel=2)
+            warnings.warn(f"remat: ignoring {what}, which does not fit this graph: {exc}",
+                          stacklevel=3)
             return None
         baseline = simulate(graph, save_all_schedule(graph))
         budget_bytes = budget.resolve(baseline.peak_bytes, reference)
         lowest_is_fine = self.lenient and stored.status == "over_budget"
         if sim.peak_bytes > budget_bytes * (1 + _CACHE_TOLERANCE) and not lowest_is_fine:
             warnings.warn(
-                f"remat: ignoring a cached plan that peaks at {format_bytes(sim.peak_bytes)}, "
+                f"remat: ignoring {what}, which peaks at {format_bytes(sim.peak_bytes)}, "
                 f"over the budget {budget} = {format_bytes(budget_bytes)}; solving again",
-                stacklevel=2)
+                stacklevel=3)
             return None
+        detail = str(stored.detail) if cache_hit else \
+            f"{what}, op for op{'; ' + stored.detail if stored.detail else ''}"
         plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes,
                         solver=str(stored.solver), status=str(stored.status),
-                        detail=str(stored.detail), cache_hit=True, reference=reference)
+                        detail=detail, cache_hit=cache_hit, reference=reference)
         return schedule, plan
 
     @staticmethod

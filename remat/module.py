@@ -1,40 +1,42 @@
 """``rematerialize``: swap a module for an equivalent one that keeps activations under a budget.
 
 NOTE [ Later input shapes ]
-The example call is captured with dynamic dimensions (NOTE [ Dynamic shapes ]), so a batch of
-another size (dynamic padding, a short last batch, another image size) is the same graph at
-other sizes: it runs the fastest schedule that fits the budget there, re-priced by the
-simulator, and a new schedule is solved only for a size bucket none fits
-(NOTE [ Shape-generic plans ] in ``remat/sizes.py``). A byte budget holds for every size; a
-fraction follows the largest unmodified-step peak seen (NOTE [ Budgets over many sizes ]). A size
-that no schedule can fit runs with the lowest-peak schedule found and one warning, instead of
-failing in the middle of training. A graph dynamo has to specialise (a size of 1, eval mode) is
-profiled and solved on its own.
+The first call of other shapes captures the step with dynamic dimensions (NOTE [ Static first ],
+NOTE [ Dynamic shapes ]), so a batch of another size (dynamic padding, a short last batch,
+another image size) is the same graph at other sizes: it runs the fastest schedule that fits the
+budget there, re-priced by the simulator, and a new schedule is solved only for a size bucket
+none fits (NOTE [ Shape-generic plans ] in ``remat/sizes.py``). A byte budget holds for every
+size; a fraction follows the largest unmodified-step peak seen (NOTE [ Budgets over many
+sizes ]). A size that no schedule can fit runs with the lowest-peak schedule found and one
+warning, instead of failing in the middle of training. A graph dynamo has to specialise (a size
+of 1, eval mode) is profiled and solved on its own.
 
 NOTE [ Static first ]
 Tracing with symbolic sizes is what makes a capture slow: ``torch.compile(backend="aot_eager")``
 of a 4-layer GPT (8x256) took 2.9 s with static shapes and 9.9 s with ``dynamic=True`` on 2
 cores, the symbolic arithmetic spread over every op; our own capture of it 2.3 s against ~6 s.
-``rematerialize(dynamic=None)`` therefore captures the example's shapes as they are, as
-``torch.compile`` does by default, and a run whose shapes never change pays nothing for sizes it
-never sees. The first call of another shape (dtype or mode: any call the static graphs do not
-serve) captures once more with dynamic dimensions; that graph does the same work as the static
-one at the example's sizes, so it takes the static graph's measured op costs and is solved at the
-example's sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic capture ]
-in ``remat/costs.py``): nothing is measured inside that training step, and the plan does not
-depend on which shape came second. From then on that family serves every size
-(``ShapePlans.serving``). ``dynamic=True`` (the default for now) captures with dynamic dimensions
-at once; ``False`` captures every new shape on its own.
+``rematerialize`` therefore captures the example's shapes as they are (``dynamic=None``, the
+default), as ``torch.compile`` does by default, and a run whose shapes never change pays nothing
+for sizes it never sees. The first call of another shape (dtype or mode: any call the static
+graphs do not serve) captures once more with dynamic dimensions; that graph does the same work
+as the static one at the example's sizes, so it takes the static graph's measured op costs and,
+where it is the static graph op for op, its schedule; otherwise it is solved at the example's
+sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic capture ] and NOTE
+[ The static schedule serves the dynamic graph ] in ``remat/carry.py``): nothing is measured
+inside that training step, and the plan does not depend on which shape came second. From then
+on that family serves every size (``ShapePlans.serving``). ``dynamic=True`` captures with
+dynamic dimensions at once (what the integrations do: NOTE [ Budgets over many batch sizes ] in
+``integrations/_remat_shared.py``); ``False`` captures every new shape on its own.
 
-Measured: the benchmark GPT's setup 13.0 -> 8.7 s, and 7.4 -> 3.0 s on a later run whose plan
-cache holds its costs and plan (``torch.compile`` with the budget: 4.0-4.6 s). Not the default,
-because a run whose shapes vary pays more than the static capture it adds: the dynamic family is
-solved once more at the example's sizes, and its schedules are compiles of their own besides the
-static graph's (5 schedules in use instead of 3). The 40-step dynamic-padding run of
-``tests/remat/test_shapes.py`` set up in 27-28 s against 16.5-21 s captured dynamic at once
-(same process, a busy neighbour). Captured at whatever shape came second, the dynamic graph can
-also take a coincidence for a rule (dynamo gives equal sizes one symbol: a batch of 32 through a
-layer 32 wide), which a capture of the user's example rarely does.
+A run whose shapes vary pays the static capture on top of the dynamic one. Measured on the
+40-step dynamic-padding run of ``tests/remat/test_shapes.py`` (2-layer GPT-2, 2 cores): setup
+plus the time inside steps 15.3 s against 12.7 s captured dynamic at once, the static capture
+itself 3.9 s against 7.3 s. That was 19.5 s (5 schedules compiled, against 3) until the dynamic
+capture compiled a schedule later batches run rather than the unmodified step its first batch
+chose (NOTE [ A capture compiles a schedule that needs one ] in ``remat/sizes.py``). Captured at
+whatever shape came second, the dynamic graph can also take a coincidence for a rule (dynamo
+gives equal sizes one symbol: a batch of 32 through a layer 32 wide), which a capture of the
+user's example rarely does.
 
 NOTE [ Sharing the original's state ]
 ``RematModule`` registers the *same* child modules, parameters and buffers as the module it
@@ -264,7 +266,8 @@ class RematModule(nn.Module):
     """An ``nn.Module`` equivalent to the one it wraps, with a rematerialized backward.
 
     Calls with gradients enabled run a compiled schedule; calls without gradients run the
-    original module. The graph is captured once with dynamic dimensions, and each batch runs the
+    original module. The graph is captured with the example's shapes, then once with dynamic
+    dimensions when other shapes come (NOTE [ Static first ]), and each batch runs the
     fastest schedule that fits the budget at its sizes: see NOTE [ Shape-generic plans ] and
     NOTE [ Later input shapes ] in :mod:`remat.module`. NOTE [ Sharing the original's state ].
 
@@ -276,7 +279,7 @@ class RematModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, backend: RematBackend,
-                 eager: EagerOnly | None = None, *, dynamic: bool | None = True) -> None:
+                 eager: EagerOnly | None = None, *, dynamic: bool | None = None) -> None:
         super().__init__()
         self._modules.update(module._modules)
         self._parameters.update(module._parameters)
@@ -566,7 +569,7 @@ def rematerialize(
     cache: PlanCache | str | bool | None = True,
     eager_peak_bytes: int | None = None,
     step_peak_bytes: int | None = None,
-    dynamic: bool | None = True,
+    dynamic: bool | None = None,
     example_kwargs: dict[str, Any] | None = None,
     **call_kwargs: Any,
 ) -> RematModule:
@@ -601,13 +604,14 @@ def rematerialize(
         step_peak_bytes: The measured eager peak of the whole training step the module runs
             in, when part of the step is outside it (a loss head): percentages are of it, and
             what it adds to the module's peak is charged against the budget.
-        dynamic: ``True`` (default) captures with dynamic dimensions, one graph for every
-            batch size and length; ``None`` captures the example's shapes, as ``torch.compile``
-            does by default (a shorter setup for a run whose shapes never change: a 4-layer
-            GPT's 11.5 -> 8.3 s, 5.4 -> 2.9 s on a later run), and when a call of other sizes
-            comes captures once more with dynamic dimensions, its op costs carried over from
-            the first capture (a varying run's setup is longer); ``False`` captures every new
-            shape on its own. See NOTE [ Static first ].
+        dynamic: ``None`` (default) captures the example's shapes, as ``torch.compile`` does
+            by default (a 4-layer GPT's setup 11.5 -> 8.3 s against ``True``), and when a call
+            of other sizes comes captures once more with dynamic dimensions, taking the first
+            capture's op costs and, where the graphs match op for op, its schedule (a varying
+            run pays that second capture: 15.3 s against 12.7 s over a 40-step dynamic-padding
+            run); ``True`` captures with dynamic dimensions at once, one graph for every batch
+            size and length; ``False`` captures every new shape on its own. See NOTE [ Static
+            first ].
         example_kwargs: Keyword arguments of the example call, as a dict: for a module whose
             forward takes a name that is also one of these options (``cache``, ``budget``...),
             which would otherwise go to remat (NOTE [ Options that share a name with the

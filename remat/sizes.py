@@ -429,6 +429,33 @@ class ShapePlans:
             self._over[(key, sizes)] = (len(self.entries), family.max_baseline)
         return choice
 
+    def to_compile(self, key: str, sizes: Sequence[int]) -> int:
+        """NOTE [ A capture compiles a schedule that needs one ]
+        The schedule a new capture of a family compiles for a call of ``sizes``: the one
+        :meth:`choose` gives, unless that is the unmodified step run eagerly, which needs no
+        compile; then the family's first solved schedule that fits those sizes, which runs
+        this call and every later batch choosing it. Otherwise the capture served only the
+        batches of those exact shapes (NOTE [ A call runs what its first call ran ] in
+        remat/module.py) and the first batch needing the solved schedule captured the step
+        again: the dynamic capture that follows a static one (NOTE [ Static first ]) met a short
+        batch first in the 40-step dynamic-padding run, and that run spent one more capture
+        (2.7 s of a 2-layer GPT-2's) than one captured dynamic from the start."""
+        sizes = tuple(int(s) for s in sizes)
+        choice = self.choose(key, sizes)
+        if not self.entries[choice.entry].eager:
+            return choice.entry
+        family = self.families[key]
+        budget_bytes = self.budget_at(family, sizes)
+        for entry in family.entries:
+            if self.entries[entry].eager or self.entries[entry].fallback:
+                continue
+            sim = self.run_price(family, entry, sizes)
+            if self._fits(family, sizes, sim.peak_bytes, budget_bytes):
+                self.choices[(key, sizes)] = Choice(entry, sizes, sim.peak_bytes, sim.time, True)
+                self.in_use.add(entry)
+                return entry
+        return choice.entry
+
     def _may_fit_now(self, family: Family, sizes: tuple[int, ...]) -> bool:
         """NOTE [ An over-budget choice is revisited ]
         Sizes no solved schedule fits run the lowest-peak one, often the least-memory schedule

@@ -88,7 +88,7 @@ def test_repeats_time_only_the_ops_short_of_samples(monkeypatch):
     model, x = nn.Sequential(*layers, Squared()), torch.randn(512, 64)
     rm = remat.rematerialize(model, x, budget="90%", options={"progress": False})
     assert counts["aten.tanh.default"] == 8, counts  # one repeat of 8 layers: enough
-    assert counts["aten.sum.default"] == 3, counts  # one op: timed in every repeat
+    assert counts["aten.sum.default"] == 2, counts  # one op: timed in both repeats
     assert all(op.time > 0 for op in rm.graphs[0].ops if op.signature.startswith("aten.tanh"))
 
 

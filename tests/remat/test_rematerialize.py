@@ -172,17 +172,25 @@ def test_eval_and_no_grad_calls_run_the_original():
     assert len(rm.plans) == 1  # no new capture for a call without backward
 
 
-def test_a_smaller_batch_reuses_the_plan_within_budget():
+def test_a_smaller_batch_reuses_the_plan_within_budget(monkeypatch):
+    import remat.dynamo_backend
+
     ref, _ = make("mlp")
     model, _ = make("mlp")
     batch = torch.randn(512, 32)
     rm = remat.rematerialize(model, batch, budget="70%", time_limit=TIME_LIMIT)
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("solved again")
+
+    monkeypatch.setattr(remat.dynamo_backend, "plan_graph", no_solving)
     short = (batch[:300],)
     step(ref, short)
     with remat.track_memory() as mem:
         step(rm, short)
-    # Same graph at another size: re-priced, not captured and solved again.
-    assert len(rm.plans) == 1
+    # Another size: captured once more with dynamic sizes (NOTE [ Static first ]), which runs
+    # the example's schedule op for op, re-priced at this size, with no solve.
+    assert len(rm.plans) == 2 and "the static capture's plan" in rm.plans[1].detail
     assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
     for a, b in zip(grads(ref), grads(model)):
         assert torch.equal(a, b)
@@ -321,7 +329,7 @@ def test_later_shapes_keep_the_byte_budget_and_never_fail():
     budget = f"{probe.plan.budget_bytes}B"
     rm = remat.rematerialize(model, batch, budget=budget, time_limit=TIME_LIMIT)
     step(rm, (batch[:64],))  # a short last batch fits the same bytes
-    family = next(iter(rm.shapes.families))
+    family = rm.shapes.serving.key  # captured with dynamic sizes by that call
     assert rm.shapes.choose(family, (64,)).fits
     big = torch.randn(4096, 32)  # eight times the activations cannot fit: warn, run, stay exact
     for p in model.parameters():
@@ -341,7 +349,8 @@ def test_a_schedule_in_use_is_kept_unless_another_is_clearly_faster(monkeypatch)
     from dataclasses import replace
 
     model, (batch,) = make("mlp")
-    rm = remat.rematerialize(model, batch, budget="75%", time_limit=TIME_LIMIT)
+    # one family for every size from the start: the schedules of that family are compared
+    rm = remat.rematerialize(model, batch, budget="75%", time_limit=TIME_LIMIT, dynamic=True)
     shapes = rm.shapes
     family = next(iter(shapes.families.values()))
     solved = family.entries[0]
@@ -499,8 +508,10 @@ def test_backward_is_handed_storages_not_views(budget):
 def test_a_new_shape_met_under_checkpoint_is_recomputed_by_the_graph_that_ran_it():
     """NOTE [ A call runs what its first call ran ]: a smaller batch, met first inside
     ``torch.utils.checkpoint`` (as FSDP2 units that keep only their inputs run), is captured in
-    forward and runs the compiled unmodified step; its recomputation in backward must run that
-    same step, not the eager one whose saved tensors differ (a CheckpointError killed a rank)."""
+    forward and runs the compiled step; its recomputation in backward must run that same step,
+    not the eager one whose saved tensors differ (a CheckpointError killed a rank when the
+    capture compiled the unmodified step: now it compiles the solved schedule, NOTE [ A capture
+    compiles a schedule that needs one ], and later calls of those shapes run it too)."""
     from torch.utils.checkpoint import checkpoint
 
     ref, _ = make("mlp")
@@ -518,4 +529,4 @@ def test_a_new_shape_met_under_checkpoint_is_recomputed_by_the_graph_that_ran_it
             assert torch.equal(a, b)
     family = rm.shapes.serving
     entry = rm.shapes.choose(family.key, (64,)).entry
-    assert rm.shapes.entries[entry].eager  # else this test tests nothing
+    assert not rm.shapes.entries[entry].eager and entry in rm._remat_slots

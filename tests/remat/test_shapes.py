@@ -28,6 +28,9 @@ MIN_LEN, MAX_LEN, MAX_BATCH = 32, 512, 8
 
 
 # One thread (see tests/conftest.py); dynamo's caches carry from test to test, as in a run.
+# Tests of the machinery that serves many sizes from one graph capture with dynamic dimensions
+# at once (dynamic=True, as the integrations do); rematerialize's default, the example's static
+# shapes first (NOTE [ Static first ]), is what the 40-step run and the static-first test use.
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.dynamo_state_carries]
 
 
@@ -54,12 +57,14 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
     gen = torch.Generator().manual_seed(0)
     example = torch.randint(96, (4, 128), generator=gen)
 
-    # The single-shape setup this is compared with: the same model and example, one shape.
+    # The setup this is compared with: the same model and example captured once for every
+    # size (dynamic=True). The run below captures the example's static shapes first, then
+    # once more with dynamic sizes at the first other shape (NOTE [ Static first ]).
     t0 = time.perf_counter()
     # 62% of the eager step as a user measures it (model(**batch).loss.backward(), the logits
     # dropped) is the 65% of the step measured with the logits held this test was sized at.
     remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example, budget="62%",
-                        time_limit=TIME_LIMIT)
+                        time_limit=TIME_LIMIT, dynamic=True)
     single_setup = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -91,7 +96,7 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
             assert torch.equal(a.grad, b.grad), (batch, length)
         if batch == 1:
             continue  # dynamo's own size-1 graph (its first call captures and profiles it)
-        family = rm.shapes.families[first_family(rm)]
+        family = rm.shapes.serving
         choice = rm.shapes.choose(family.key, (batch, length))
         budget = rm.shapes.budget_at(family, (batch, length))
         # Predicted within 1% (the eager step's is an upper estimate: NOTE [ The unmodified
@@ -102,8 +107,9 @@ def test_forty_steps_thirty_lengths_exact_within_budget_few_solves():
             checked += 1
     solves = len(rm.plans)
     # What the run did, shown only when an assertion fails (tests print nothing themselves).
-    report = (f"40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s (single shape "
-              f"{single_setup:.1f} s); {checked} steps within the budget\n{rm.shapes.summary()}")
+    report = (f"40 steps, 30 lengths: {solves} solves, setup {setup:.1f} s (one capture for "
+              f"every size {single_setup:.1f} s); {checked} steps within the budget\n"
+              f"{rm.shapes.summary()}")
     assert solves <= math.ceil(math.log2(MAX_LEN / MIN_LEN)) + 1, report
     assert checked >= 28, report
     assert setup <= 3 * single_setup, report
@@ -122,10 +128,6 @@ def paired_step(ref, rm, ids, seed):
     return mem.peak_bytes
 
 
-def first_family(rm) -> str:
-    return next(iter(rm.shapes.families))
-
-
 def test_a_later_larger_batch_is_rematerialized_not_run_unmodified():
     model = tiny_gpt2()
     small = torch.randint(96, (2, 64))
@@ -134,7 +136,7 @@ def test_a_later_larger_batch_is_rematerialized_not_run_unmodified():
     big = torch.randint(96, (8, 256))
     with remat.track_memory() as mem:
         rm(input_ids=big, labels=big).loss.backward()
-    family = rm.shapes.families[first_family(rm)]
+    family = rm.shapes.serving
     choice = rm.shapes.choose(family.key, (8, 256))
     baseline = rm.shapes.baseline_at(family, (8, 256))
     # "65%" follows the largest batch seen: 65% of the big batch's unmodified peak.
@@ -172,7 +174,7 @@ def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_s
     model = tiny_gpt2()
     example = torch.randint(96, (2, 40))
     rm = remat.rematerialize(model, input_ids=example, labels=example, budget="65%",
-                             time_limit=TIME_LIMIT)
+                             time_limit=TIME_LIMIT, dynamic=True)
     solved = []
     real = remat.planner.plan_graph
 
@@ -183,7 +185,7 @@ def test_a_bucket_schedule_that_misses_its_batch_is_tightened_not_resolved_per_s
         return real(graph, budget, **kw)
 
     monkeypatch.setattr(remat.planner, "plan_graph", loose_first)
-    family = rm.shapes.families[first_family(rm)]
+    family = rm.shapes.serving
     for length in (200, 230, 250):
         ids = torch.randint(96, (2, length))
         with remat.track_memory() as mem:
@@ -237,14 +239,14 @@ def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatc
         copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
     budget = int(0.95 * eager.peak_bytes)
     rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
-                             time_limit=TIME_LIMIT)
+                             time_limit=TIME_LIMIT, dynamic=True)
     real = remat.planner.plan_graph
 
     def failing(graph, b, **kw):
         raise remat.InfeasibleBudgetError(budget_bytes=b.bytes, lower_bound_bytes=0,
                                           baseline_bytes=1, solver="test")
 
-    family = rm.shapes.families[first_family(rm)]
+    family = rm.shapes.serving
     short, long = torch.randint(96, (2, 200)), torch.randint(96, (2, 260))
     monkeypatch.setattr(remat.planner, "plan_graph", failing)
     with pytest.warns(UserWarning, match=r"no solved schedule fits .* input_ids\[1\]=200; .*"
@@ -278,7 +280,7 @@ def test_views_and_fresh_batches_share_one_capture():
                torch.randint(96, (3, 260), generator=gen)]
     assert batches[0]._base is long and batches[1]._base is None
     rm = remat.rematerialize(model, input_ids=batches[0], labels=batches[0], budget="65%",
-                             time_limit=TIME_LIMIT)
+                             time_limit=TIME_LIMIT, dynamic=True)
     frames = counters["stats"]["unique_graphs"]
     for k, ids in enumerate(batches):
         for p in [*ref.parameters(), *model.parameters()]:
@@ -302,14 +304,14 @@ def test_a_later_small_batch_runs_the_eager_step_within_the_budget():
     ref = tiny_gpt2()
     example = torch.randint(96, (4, 128))
     rm = remat.rematerialize(copy.deepcopy(ref), input_ids=example, labels=example,
-                             budget="65%", time_limit=TIME_LIMIT)
+                             budget="65%", time_limit=TIME_LIMIT, dynamic=True)
     captures = counters["aot_autograd"]["total"]
     for k, (batch, length) in enumerate([(2, 40), (1, 33), (3, 17)]):
         ids = torch.randint(96, (batch, length))
         peak = paired_step(ref, rm, ids, seed=k)
         for a, b in zip(ref.parameters(), rm.parameters()):
             assert torch.equal(a.grad, b.grad), (batch, length)
-        family = rm.shapes.families[first_family(rm)]
+        family = rm.shapes.serving
         choice = rm.shapes.choose(family.key, (batch, length))
         entry = rm.shapes.entries[choice.entry]
         assert entry.eager and entry.label == "unmodified step, run eagerly", entry.label
@@ -402,12 +404,12 @@ def test_one_capture_per_schedule_and_float_arguments_stay_symbolic():
     before = counters["aot_autograd"]["total"]
     example = torch.randint(96, (2, 64))
     remat.rematerialize(tiny_gpt2(), input_ids=example, labels=example, budget="65%",
-                        time_limit=TIME_LIMIT)
+                        time_limit=TIME_LIMIT, dynamic=True)
     assert counters["aot_autograd"]["total"] - before == 1  # was 2: a restarted analysis
 
     ref = ScaledMLP().train()
     rm = remat.rematerialize(copy.deepcopy(ref), torch.randn(256, 32), 0.5, budget="70%",
-                             time_limit=TIME_LIMIT)
+                             time_limit=TIME_LIMIT, dynamic=True)
     captures = counters["aot_autograd"]["total"]
     x = torch.randn(256, 32)
     for k, scale in enumerate((0.5, 0.7, 1.3, 2.0)):
@@ -463,7 +465,7 @@ class _DictMLP(nn.Module):
 def test_summary_and_warnings_name_sizes_by_input_and_axis():
     torch.manual_seed(0)
     rm = remat.rematerialize(_DictMLP(), {"x": torch.randn(64, 16, 32)}, budget="800000B",
-                             time_limit=5)
+                             time_limit=5, dynamic=True)
     rm({"x": torch.randn(32, 16, 32)}).sum().backward()  # fits as it is: runs eagerly
     with pytest.warns(UserWarning) as record:  # cannot fit this budget
         rm({"x": torch.randn(128, 16, 32)}).sum().backward()
@@ -548,11 +550,60 @@ def test_static_first_captures_the_example_as_it_is_then_once_with_dynamic_sizes
 
     # Graphs that are not the same step carry nothing.
     from dataclasses import replace
-    from remat.costs import carry_costs
+    from remat.carry import carry_costs
 
     graph = static.sized.graph
     shuffled = replace(graph, ops=tuple(reversed(graph.ops)))
     assert carry_costs(graph, shuffled, [0.0] * len(graph.ops)) is None
+
+
+def test_the_dynamic_capture_reuses_the_static_schedule_and_compiles_what_later_batches_run(
+        monkeypatch):
+    """NOTE [ The static schedule serves the dynamic graph ]: an MLP's dynamic capture is its
+    static graph op for op, so it runs the static schedule without a solve. NOTE [ A capture
+    compiles a schedule that needs one ]: the dynamic capture is met by a small batch whose
+    unmodified step fits (run eagerly once compiled); it compiles the solved schedule instead,
+    which the next, larger batch runs without capturing again. Gradients bitwise, budget kept."""
+    import remat.dynamo_backend
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
+    rm = remat.rematerialize(copy.deepcopy(ref), torch.randn(256, 64), budget="80%",
+                             time_limit=TIME_LIMIT, cache=False)
+    static = rm.shapes.serving
+    assert static.sized.symbols == ()
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("the dynamic graph was solved again")
+
+    monkeypatch.setattr(remat.dynamo_backend, "plan_graph", no_solving)
+    captures = None
+    for k, batch in enumerate((16, 200, 240)):
+        x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(k))
+        for p in [*ref.parameters(), *rm.parameters()]:
+            p.grad = None
+        ref(x).square().sum().backward()
+        with remat.track_memory() as mem:
+            rm(x).square().sum().backward()
+        for a, b in zip(ref.parameters(), rm.parameters()):
+            assert torch.equal(a.grad, b.grad), batch
+        family = rm.shapes.serving
+        assert len(family.sized.symbols) == 1
+        choice = rm.shapes.choose(family.key, (batch,))
+        assert not rm.shapes.entries[choice.entry].eager, (batch, rm.shapes.summary())
+        assert mem.peak_bytes <= rm.shapes.budget_at(family, (batch,)) + LOSS_SLACK_BYTES
+        if captures is None:
+            captures = counters["aot_autograd"]["total"]  # the dynamic capture, at batch 16
+    assert counters["aot_autograd"]["total"] == captures, rm.shapes.summary()
+    first = rm.shapes.entries[family.entries[0]]
+    mine = rm.shapes.entries[static.entries[0]].schedule
+    # the same ops in the same order; saved values renumbered (the dynamic graph's size scalar)
+    assert (first.schedule.forward, first.schedule.backward) == (mine.forward, mine.backward)
+    graph = family.sized.graph
+    assert sorted(graph.values[v].name for v in first.schedule.saved) == \
+        sorted(static.sized.graph.values[v].name for v in mine.saved)
+    assert "the static capture's plan, op for op" in first.plan.detail
 
 
 def test_dynamic_false_captures_each_new_shape_on_its_own_and_bad_values_are_refused():
