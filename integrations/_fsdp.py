@@ -257,7 +257,7 @@ def probe(unit: nn.Module, args: tuple, kwargs: dict) -> RematModule:
             # so rematerialize's advice to pass step_peak_bytes does not apply
             warnings.filterwarnings("ignore", message=r"remat: .* no loss of its own")
             return remat.rematerialize(UnitForward(unit), *args, budget=NO_LIMIT, solver="none",
-                                       cache=False, example_kwargs=kwargs, dynamic=True)
+                                       cache=False, example_kwargs=kwargs)
     finally:
         unit.reshard()
 
@@ -271,9 +271,7 @@ def rematerialize_unit(unit: nn.Module, args: tuple, kwargs: dict, fraction: flo
     def solve() -> RematModule:
         return remat.rematerialize(UnitForward(unit), *args, budget=fraction, solver=solver,
                                    time_limit=time_limit, cache=cache,
-                                   eager_peak_bytes=eager_peak_bytes, example_kwargs=kwargs,
-                                   # NOTE [ Budgets over many batch sizes ] in _remat_shared.py
-                                   dynamic=True)
+                                   eager_peak_bytes=eager_peak_bytes, example_kwargs=kwargs)
 
     unit.unshard()
     try:

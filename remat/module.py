@@ -25,8 +25,8 @@ sizes, as if it had been captured first (NOTE [ Costs carried to the dynamic cap
 [ The static schedule serves the dynamic graph ] in ``remat/carry.py``): nothing is measured
 inside that training step, and the plan does not depend on which shape came second. From then
 on that family serves every size (``ShapePlans.serving``). ``dynamic=True`` captures with
-dynamic dimensions at once (what the integrations do: NOTE [ Budgets over many batch sizes ] in
-``integrations/_remat_shared.py``); ``False`` captures every new shape on its own.
+dynamic dimensions at once; ``False`` captures every new shape on its own. The integrations use
+the default (NOTE [ Budgets over many batch sizes ] in ``integrations/_remat_shared.py``).
 
 A run whose shapes vary pays the static capture on top of the dynamic one. Measured on the
 40-step dynamic-padding run of ``tests/remat/test_shapes.py`` (2-layer GPT-2, 2 cores): setup

@@ -1,8 +1,9 @@
 """Symbolic sizes: what a dynamic-shape joint graph says about bytes, and its value on a batch.
 
 NOTE [ Dynamic shapes ]
-``rematerialize`` captures with dynamic dimensions (``torch.compile(dynamic=True)``), so one
-joint graph stands for every batch size and sequence length: tensor shapes in it are sympy
+Once a second shape comes, ``rematerialize`` captures with dynamic dimensions (NOTE [ Static
+first ] in remat/module.py; ``torch.compile(dynamic=True)``), so one joint graph stands for
+every batch size and sequence length: tensor shapes in it are sympy
 expressions of a few size symbols (``s27*s52*512``). Lowering evaluates them at the captured
 batch (its *hint*) for the solvers, which only ever see plain integers, and keeps the
 expressions so that a schedule can be re-priced at any other size without tracing again
