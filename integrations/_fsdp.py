@@ -33,13 +33,24 @@ NOTE [ One step budget over FSDP units ]
     run its forward again in backward (``torch.utils.checkpoint`` around the rematerialized
     unit, RNG state preserved: bitwise), which saves ``in_i`` instead of ``S_i`` and needs
     ``P_i`` while it runs. The first ``k`` units are checkpointed, with ``k`` the smallest count
-    at which some fraction fits, and the fraction the largest that fits with it: HiRemate's
-    upper level reduced to two numbers per chain.
+    at which some fraction fits, and the fraction the largest that fits with it, unless more
+    units checkpointed at a larger fraction are predicted faster (NOTE [ Checkpointing more
+    units can be faster ]): HiRemate's upper level reduced to two numbers per chain.
     What FSDP itself holds at the new peak (a unit's unsharded gradients before their
     reduce-scatter, the next unit's prefetched parameters) is not in that sum: a 4-layer Llama
     predicted at 0.498 of its step measured 0.552. So the plans are checked on a measured step
     (:func:`plan_units`' ``trial``), and a step over the budget plans again for a predicted
     step lower by what the measured one missed by, at most ``_ROUNDS`` times.
+
+NOTE [ Checkpointing more units can be faster ]
+    The fewest checkpointed units is not the fastest plan: to fit with fewer, every unit's own
+    schedule goes deeper, and a 4-layer Llama at 50%/53%/60% of its step ran 1.27-1.34x FSDP2's
+    step time (3 or 2 units checkpointed, every unit at 55% of its own step) where
+    ``checkpoint_wrapper`` on every unit ran 1.22-1.26x (at a higher peak, 0.53-0.58). So every
+    count is searched (its largest fitting fraction, 1.0 first: no remat inside the
+    units; the search solver takes 0.04 s a plan), and the plan with the least predicted time
+    wins: the units' predicted step times plus one more forward per checkpointed unit, from the
+    probes' modelled op times.
 
 NOTE [ Buffers gloo's workers release late ]
     On CPU, FSDP2's collectives run on gloo, whose worker threads hold each collective's work
@@ -76,6 +87,7 @@ from remat import RematModule
 from remat.budget import NO_LIMIT, format_bytes
 from remat.cache import PlanCache, costs_key
 from remat.errors import RematError
+from remat.graph import Phase
 
 from integrations._remat_shared import Collectives, RematSettings, Target, TargetResult
 from integrations._warmup import record_first_calls
@@ -328,27 +340,43 @@ def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eage
     keys = [costs_key(p.graphs[0]) for p in probes]
     eager = [(p.plan.baseline_bytes, p.plan.saved_bytes) for p in probes]
     rest = eager_step_bytes - _step_of(eager, 0)
-    solved: dict[tuple[str, float], tuple[int, int] | None] = {}
+    # a checkpointed unit runs its forward once more in backward (the probes' modelled times)
+    forward_s = [sum(op.time for op in p.graphs[0].ops if op.phase == Phase.FORWARD)
+                 for p in probes]
+    # (unit key, fraction) -> that plan's (peak, saved bytes, predicted step seconds)
+    solved: dict[tuple[str, float], tuple[int, int, float] | None] = {}
+
+    def plan_at(key: str, probe: RematModule, fraction: float) -> tuple[int, int, float] | None:
+        if (key, fraction) not in solved:
+            plan = probe.plan_for(fraction, solver=solver)
+            solved[key, fraction] = None if plan is None else (
+                plan.predicted_peak_bytes, plan.saved_bytes,
+                plan.baseline_time_s * (1 + plan.predicted_overhead))
+        return solved[key, fraction]
 
     def step_at(fraction: float, checkpointed: int) -> float:
         sizes = []
         for k, (key, p) in enumerate(zip(keys, probes)):
-            if (key, fraction) not in solved:
-                plan = p.plan_for(fraction, solver=solver)
-                solved[key, fraction] = None if plan is None else \
-                    (plan.predicted_peak_bytes, plan.saved_bytes)
-            if solved[key, fraction] is None:
+            found = plan_at(key, p, fraction)
+            if found is None:
                 return math.inf
-            peak, saved = solved[key, fraction]
+            peak, saved, _ = found
             sizes.append((peak, min(saved, inputs[k])) if k < checkpointed else (peak, saved))
         return _step_of(sizes, rest)
+
+    def seconds_at(fraction: float, checkpointed: int) -> float:
+        return sum(solved[key, fraction][2] for key in keys) + sum(forward_s[:checkpointed])
 
     if eager_step_bytes <= budget_bytes:
         return StepShare(1.0, 0, eager_step_bytes, eager_step_bytes, rest, True)
     best = (math.inf, 1.0, 0)  # the lowest finite step seen, for when nothing fits
-    for checkpointed in range(len(probes) + 1):
+
+    def largest_fitting(checkpointed: int) -> float | None:
         # The fractions that fit form an interval [f_min, f_max]: below f_min some unit has no
         # schedule (``inf``: go up), above f_max the step is over the budget (go down).
+        nonlocal best
+        if step_at(1.0, checkpointed) <= budget_bytes:
+            return 1.0
         low, high, fitted = 0.0, 1.0, None
         for _ in range(_BISECTIONS):
             mid = (low + high) / 2
@@ -360,9 +388,18 @@ def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eage
                 low = mid
             else:
                 high = mid
+        return fitted
+
+    fastest = None  # NOTE [ Checkpointing more units can be faster ]
+    for checkpointed in range(len(probes) + 1):
+        fitted = largest_fitting(checkpointed)
         if fitted is not None:
-            return StepShare(fitted, checkpointed, int(step_at(fitted, checkpointed)),
-                             eager_step_bytes, rest, True)
+            priced = (seconds_at(fitted, checkpointed), -fitted, checkpointed)
+            fastest = priced if fastest is None else min(fastest, priced)
+    if fastest is not None:
+        _, fraction, checkpointed = fastest
+        return StepShare(-fraction, checkpointed, int(step_at(-fraction, checkpointed)),
+                         eager_step_bytes, rest, True)
     step, fraction, checkpointed = best
     return StepShare(fraction, checkpointed,
                      int(step) if math.isfinite(step) else eager_step_bytes,

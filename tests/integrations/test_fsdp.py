@@ -529,3 +529,31 @@ def test_a_hugging_face_cache_in_the_units_calls_is_refused_with_the_fix():
             "a Hugging Face cache (past_key_values)") in proc.stdout
     assert "pass use_cache=False in the training call" in proc.stdout
     assert "RESTORED True" in proc.stdout
+
+
+@pytest.mark.parametrize("forward_s, expected", [(0.4, (1.0, 2)), (0.8, (0.75, 0))])
+def test_the_step_budget_goes_to_the_fastest_split_between_checkpointing_and_remat(
+        monkeypatch, forward_s, expected):
+    """NOTE [ Checkpointing more units can be faster ]: two units whose own schedules cost
+    ``2 * (1 - f)`` of their step at a fraction ``f``; a checkpointed unit runs its forward
+    (``forward_s``) once more. Under 150 of a 200-byte step, either both units are checkpointed
+    with no remat inside (2 + 2 * forward_s seconds) or none, each at 75% of its step (3 s)."""
+    from types import SimpleNamespace
+
+    import integrations._fsdp as fsdp
+    from remat.graph import Phase
+
+    monkeypatch.setattr(fsdp, "costs_key", lambda graph: "unit")
+
+    def plan_for(fraction, *, solver):
+        peak = max(60.0, 100 * fraction)
+        return SimpleNamespace(predicted_peak_bytes=peak, saved_bytes=peak - 20,
+                               baseline_time_s=1.0, predicted_overhead=2 * (1 - fraction))
+
+    graph = SimpleNamespace(ops=[SimpleNamespace(phase=Phase.FORWARD, time=forward_s),
+                                 SimpleNamespace(phase=Phase.BACKWARD, time=0.6)])
+    unit = SimpleNamespace(graphs=[graph], plan=SimpleNamespace(baseline_bytes=100, saved_bytes=80),
+                           plan_for=plan_for)
+    share = fsdp.share_step_budget([unit, unit], [10, 10], 200, 150, solver="dp")
+    assert (share.fraction, share.checkpointed) == expected and share.fits
+    assert share.predicted_step_bytes <= 150
