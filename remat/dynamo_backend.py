@@ -166,8 +166,9 @@ class RematBackend:
         """Profile and solve a graph of a structure not seen before (or load it from the cache).
 
         A dynamic capture of the graph first captured with static shapes takes that graph's
-        costs and is solved at the example's sizes, as if it had been captured first (NOTE
-        [ Costs carried to the dynamic capture ] in :mod:`remat.carry`)."""
+        costs and, op for op, its schedule, else is solved at the example's sizes, as if it had
+        been captured first (NOTE [ Costs carried to the dynamic capture ] in
+        :mod:`remat.carry`)."""
         carried = self._carried(lowered, symbols, sizes, dims)
         if carried is not None:
             (graph, sizes), alone = carried, False
@@ -330,13 +331,16 @@ class RematBackend:
         if schedule is None or first.plan is None:
             return None
         return self._replanned(graph, schedule, first.plan, budget, reference,
-                               "the static capture's plan")
+                               "the static capture's plan",
+                               detail="the static capture's plan, op for op"
+                               + (f"; {first.plan.detail}" if first.plan.detail else ""))
 
     def _replanned(self, graph: RematGraph, schedule: Schedule, stored: Plan, budget: Budget,
-                   reference: Reference | None, what: str, *, cache_hit: bool = False
-                   ) -> tuple[Schedule, Plan] | None:
+                   reference: Reference | None, what: str, *, cache_hit: bool = False,
+                   detail: str | None = None) -> tuple[Schedule, Plan] | None:
         """``schedule``, solved before (``stored``), re-simulated on ``graph`` and checked
-        against the budget asked for now, with its plan recomputed; ``None`` if it does not fit."""
+        against the budget asked for now, with its plan recomputed (its notes ``detail``, else
+        the stored plan's); ``None`` if it does not fit. ``what`` names it in warnings."""
         try:
             sim = simulate(graph, schedule)
         except (ScheduleError, IndexError) as exc:
@@ -352,11 +356,10 @@ class RematBackend:
                 f"over the budget {budget} = {format_bytes(budget_bytes)}; solving again",
                 stacklevel=3)
             return None
-        detail = str(stored.detail) if cache_hit else \
-            f"{what}, op for op{'; ' + stored.detail if stored.detail else ''}"
         plan = describe(graph, schedule, sim, baseline, budget_bytes=budget_bytes,
                         solver=str(stored.solver), status=str(stored.status),
-                        detail=detail, cache_hit=cache_hit, reference=reference)
+                        detail=str(stored.detail) if detail is None else detail,
+                        cache_hit=cache_hit, reference=reference)
         return schedule, plan
 
     @staticmethod
