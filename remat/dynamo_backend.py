@@ -29,6 +29,7 @@ from .graph import RematGraph
 from .lowering import lower_joint_graph
 from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
+from .recurrent import recurrent_kernels
 from .planner import checkpoint_schedule, describe, plan_graph
 from .schedule import Schedule, save_all_schedule, simulate
 from .settings import check_time_limit
@@ -109,12 +110,13 @@ class RematBackend:
         dims = input_dims(gm.graph, real_inputs, self.current_leaves)
         partition = functools.partial(self._partition, gm=gm, real_inputs=real_inputs,
                                       request=request, dims=dims, dim_names=self._dim_names(dims))
-        return aot_autograd(
-            fw_compiler=_compile_graph,
-            bw_compiler=_compile_graph,
-            inference_compiler=_compile_graph,
-            partition_fn=partition,
-        )(gm, example_inputs)
+        with recurrent_kernels():  # NOTE [ Recurrent layers as eager runs them ]
+            return aot_autograd(
+                fw_compiler=_compile_graph,
+                bw_compiler=_compile_graph,
+                inference_compiler=_compile_graph,
+                partition_fn=partition,
+            )(gm, example_inputs)
 
     def _dim_names(self, dims: dict[str, tuple[int, int]]) -> dict[str, str]:
         """Size symbol -> ``"input_ids[1]"``: the name of the input leaf and the axis

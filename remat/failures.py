@@ -31,7 +31,7 @@ def capture_error(exc: BaseException) -> RematError:
     lowered = f"{type(cause).__name__} {cause}".lower()
     workaround = ("or use torch.compile(model, backend=remat.backend(...)), which rematerializes "
                   "each graph dynamo captures between the breaks (code dynamo cannot trace, such "
-                  "as nn.LSTM's fused kernel, stays eager and is not rematerialized)")
+                  "as pack_padded_sequence, stays eager and is not rematerialized)")
     if any(k in lowered for k in _DATA_DEPENDENT):
         return CaptureError(
             f"cannot capture the model as one graph: control flow or shapes depend on tensor "

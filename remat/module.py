@@ -107,7 +107,9 @@ def _capture_config(leaves: list[Any]):
     ignored = set(torch._dynamo.config.ignore_logging_functions) | _logging_methods()
     floats_in_call = any(type(leaf) is float for leaf in leaves)
     return torch._dynamo.config.patch(ignore_logging_functions=ignored,
-                                      specialize_float=not floats_in_call)
+                                      specialize_float=not floats_in_call,
+                                      # NOTE [ Recurrent layers as eager runs them ]
+                                      allow_rnn=True)
 
 
 def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
