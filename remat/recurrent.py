@@ -51,38 +51,39 @@ __all__ = ["lstm_layer", "lstm_layer_backward", "recurrent_kernels"]
 
 aten = torch.ops.aten
 _LSTM_MODE = 2  # ideep::rnn_kind::LSTM: the ``mode`` oneDNN's RNN ops take
-_FLAGS = ("reverse", "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first")
+_FLAGS = ("reverse", "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first",
+          "train")
 
 
 def _onednn_lstm(input: Tensor, weights: tuple[Tensor, ...], hx: Tensor, cx: Tensor,
                  flags: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``aten.mkldnn_rnn_layer`` as eager's ``mkldnn_rnn`` calls it in training: on detached
-    tensors (nothing is recorded) with grad mode on, where oneDNN's training primitive runs and
-    returns the workspace (NOTE [ The LSTM's workspace is recomputed in its backward ])."""
-    reverse, hidden_size, num_layers, has_biases, bidirectional, batch_first = flags
+    """``aten.mkldnn_rnn_layer`` as eager's ``mkldnn_rnn`` calls it with grad mode on: on
+    detached tensors (nothing is recorded), where it returns the workspace (NOTE [ The LSTM's
+    workspace is recomputed in its backward ])."""
+    reverse, hidden_size, num_layers, has_biases, bidirectional, batch_first, train = flags
     tensors = [t.detach() for t in (input, *weights, hx, cx)]
     with torch.enable_grad():
         return aten.mkldnn_rnn_layer(*tensors, reverse, [], _LSTM_MODE, hidden_size, num_layers,
-                                     has_biases, bidirectional, batch_first, True)
+                                     has_biases, bidirectional, batch_first, train)
 
 
 @torch.library.custom_op("hiremate::lstm_layer", mutates_args=())
 def lstm_layer(input: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tensor,
                hx: Tensor, cx: Tensor, reverse: bool, hidden_size: int, num_layers: int,
-               has_biases: bool, bidirectional: bool, batch_first: bool
+               has_biases: bool, bidirectional: bool, batch_first: bool, train: bool
                ) -> tuple[Tensor, Tensor, Tensor]:
     """One layer and direction of a CPU LSTM through oneDNN: output ``(T, N, H)`` of the
     time-major ``input``, and the final ``hx``, ``cx``; the workspace is dropped (NOTE [ The
     LSTM's workspace is recomputed in its backward ])."""
     out, hy, cy, _ = _onednn_lstm(input, (w_ih, w_hh, b_ih, b_hh), hx, cx,
                                   (reverse, hidden_size, num_layers, has_biases, bidirectional,
-                                   batch_first))
+                                   batch_first, train))
     return out, hy, cy
 
 
 @lstm_layer.register_fake
 def _(input, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, hidden_size, num_layers, has_biases,
-      bidirectional, batch_first):
+      bidirectional, batch_first, train):
     # oneDNN reads ``input`` time-major whatever ``batch_first`` says (eager transposes first)
     return input.new_empty(input.shape[0], input.shape[1], hidden_size), \
         hx.new_empty(hx.shape), cx.new_empty(cx.shape)
@@ -94,15 +95,15 @@ def lstm_layer_backward(input: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor,
                         grad_out: Tensor | None, grad_hy: Tensor | None,
                         grad_cy: Tensor | None, reverse: bool, hidden_size: int,
                         num_layers: int, has_biases: bool, bidirectional: bool,
-                        batch_first: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                    Tensor, Tensor]:
+                        batch_first: bool, train: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                 Tensor, Tensor, Tensor]:
     """Gradients of :func:`lstm_layer` for ``input``, the four weights, ``hx`` and ``cx``: the
     forward again for its workspace, then oneDNN's backward, as eager's autograd calls it."""
-    flags = (reverse, hidden_size, num_layers, has_biases, bidirectional, batch_first)
+    flags = (reverse, hidden_size, num_layers, has_biases, bidirectional, batch_first, train)
     workspace = _onednn_lstm(input, (w_ih, w_hh, b_ih, b_hh), hx, cx, flags)[3]
     return aten.mkldnn_rnn_layer_backward(
         input, w_ih, w_hh, b_ih, b_hh, hx, cx, out, hy, cy, grad_out, grad_hy, grad_cy, reverse,
-        _LSTM_MODE, hidden_size, num_layers, has_biases, True, bidirectional, [], batch_first,
+        _LSTM_MODE, hidden_size, num_layers, has_biases, train, bidirectional, [], batch_first,
         workspace)
 
 
@@ -185,7 +186,7 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
                        torch.zeros(w_hh.shape, dtype=w_hh.dtype, device=w_hh.device)))
         out, hy, cy = lstm_layer(x.contiguous(), w_ih, w_hh, b_ih, b_hh, hidden[0], hidden[1],
                                  reverse, h0.size(2), num_layers, has_biases, bidirectional,
-                                 batch_first)
+                                 batch_first, train)
         return out, (hy, cy)
 
     weights = [params[i:i + group] for i in range(0, len(params), group)]

@@ -173,3 +173,11 @@ def test_a_unidirectional_lstm_below_its_floor_says_what_it_can_reach():
 
     advised = re.search(r'raise the budget to "(\d+)%"', str(caught.value)).group(1)
     _assert_bitwise_within(model, f"{advised}%", args)
+
+
+def test_an_lstm_in_eval_mode_is_bitwise():
+    """A module in eval mode, still differentiated (a frozen-dropout fine-tune): nothing is
+    dropped between layers, and oneDNN gets ``train=False`` as eager gives it."""
+    torch.manual_seed(0)
+    model = RecurrentLM(nn.LSTM, hidden=64, dropout=0.3).eval()
+    _assert_bitwise_within(model, "80%", _tokens(16, 48))
