@@ -44,7 +44,7 @@ from ..schedule import Schedule, Simulation, simulate
 from ..segments import Chain
 from ..subgraph import Subgraph
 from .base import time_cut
-from .ilp import _binary_factory, make_mip_solver, step_gap
+from .mip import _binary_factory, make_mip_solver, step_gap
 from .options import BlockOptions
 from .upper import assemble  # the chain DP's merge step serves both upper levels
 

@@ -46,7 +46,8 @@ from .baselines import CheckpointSolver
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .chain import solve_chain
 from .dag import block_dag, solve_block_dag
-from .ilp import ILPSolver, _Model, submit_cancellable, thread_pool, wait_cancellable
+from .ilp import ILPSolver, _Model
+from .pool import submit_cancellable, thread_pool, wait_cancellable
 from .options import (BlockOptions, block_options, block_options_many, block_signature,
                       block_structure, option_from_schedule, pareto, repriced_options,
                       sizes_close)

@@ -175,6 +175,7 @@ def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
     objective counts microseconds of recomputation), and what it returns is that close to the
     optimum the same MIP finds with no absolute gap."""
     import remat.solvers.ilp as ilp
+    from remat.solvers.mip import MIP_STEP_GAP
 
     graph = chain([1.0 + (k % 3) for k in range(10)], act=A, grad=D, per_layer=2)
     problem = Problem(graph, int(0.75 * baseline(graph)))
@@ -188,13 +189,13 @@ def test_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
     monkeypatch.setattr(ilp, "make_mip_solver", spy)
     with_gap = get_solver("ilp").solve(problem)
     step = sum(op.time for op in graph.ops)
-    assert gaps == [pytest.approx(1e6 * ilp.MIP_STEP_GAP * step)]
+    assert gaps == [pytest.approx(1e6 * MIP_STEP_GAP * step)]
     monkeypatch.setattr(ilp, "make_mip_solver",
                         lambda time_limit, *, gap_abs=None, **kw: real(time_limit, **kw))
     exact = get_solver("ilp").solve(problem)
     assert exact.status == "optimal" and exact.simulation.recompute_time > 0
     assert with_gap.simulation.peak_bytes <= problem.budget_bytes
-    assert with_gap.simulation.time <= exact.simulation.time + ilp.MIP_STEP_GAP * step + 1e-12
+    assert with_gap.simulation.time <= exact.simulation.time + MIP_STEP_GAP * step + 1e-12
 
 
 def test_block_ilp_gap_is_a_share_of_the_step_time(monkeypatch):
@@ -423,7 +424,7 @@ def test_mip_node_limit_returns_the_incumbent_not_a_crash():
 
     import pulp
 
-    from remat.solvers.ilp import _binary_factory, make_mip_solver, quiet_stdout
+    from remat.solvers.mip import _binary_factory, make_mip_solver, quiet_stdout
 
     rng = random.Random(0)
     n = 30
@@ -452,7 +453,7 @@ def test_few_nodes_branch_on_pseudo_costs_from_the_start():
     highspy = pytest.importorskip("highspy")
     import pulp
 
-    from remat.solvers.ilp import _FEW_NODES, _binary_factory, make_mip_solver, quiet_stdout
+    from remat.solvers.mip import _FEW_NODES, _binary_factory, make_mip_solver, quiet_stdout
 
     def _option(highs, name):
         value = highs.getOptionValue(name)
@@ -628,11 +629,11 @@ def test_a_blocks_mips_give_the_same_options_at_once_as_one_by_one(monkeypatch):
     calls = []
     real = ilp._solve_before
     monkeypatch.setattr(ilp, "_solve_before", lambda *a: calls.append(a) or real(*a))
-    monkeypatch.setattr(ilp, "_workers", lambda: 2)
+    monkeypatch.setattr(ilp, "workers", lambda: 2)
     at_once = block_options(graph, max_nodes=500)
     assert len(calls) >= 5  # the grid's MIPs all went through the pool
     assert any(t.name.startswith("remat-mip") for t in threading.enumerate())
-    monkeypatch.setattr(ilp, "_workers", lambda: 1)
+    monkeypatch.setattr(ilp, "workers", lambda: 1)
     one_by_one = block_options(graph, max_nodes=500)
     assert at_once == one_by_one
     assert len(at_once.options) >= 3
@@ -684,7 +685,7 @@ def test_mips_side_by_side_in_a_forked_child(monkeypatch):
 
     from remat.solvers import ilp
 
-    monkeypatch.setattr(ilp, "_workers", lambda: 2)
+    monkeypatch.setattr(ilp, "workers", lambda: 2)
     graph = chain([1.0, 2.0, 0.5, 3.0, 1.0, 1.5], act=A, grad=D, per_layer=2)
     problems = [Problem(graph, int(f * baseline(graph)), time_limit=30,
                         options={"max_nodes": 500}) for f in (0.6, 0.8)]
