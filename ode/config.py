@@ -13,7 +13,15 @@ import torch
 
 from .nodes import MAX_NODES, MIN_NODES
 
-__all__ = ["SolveConfig", "require_torchdiffeq", "check_t", "check_y0", "DEFAULT_N_NODES"]
+__all__ = ["SolveConfig", "require_torchdiffeq", "check_t", "check_y0", "DEFAULT_N_NODES",
+           "GRAD_METHOD_NAMES", "INTERP_ERROR_POLICY_NAMES"]
+
+# The values ``grad`` and ``on_interp_error`` may take. The functions behind them live where they
+# run (``ode.odeint.GRAD_METHODS``, ``ode.interpolated.INTERP_ERROR_POLICIES``), which check at
+# import that they cover exactly these names; the settings are checked here, without importing
+# the solvers (which import this module).
+GRAD_METHOD_NAMES = ("backprop", "adjoint", "interpolated")
+INTERP_ERROR_POLICY_NAMES = ("warn", "raise", "refine", "fallback")
 
 # 17 stored nodes = a 9-node nested estimate. The prototype measured the interpolated gradient
 # error reaching the adjoint's and backprop's at 12-16 nodes on MLP dynamics (dim 64, tol 1e-6);
@@ -104,12 +112,9 @@ class SolveConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from .interpolated import INTERP_ERROR_POLICIES
-        from .odeint import GRAD_METHODS
-
-        if self.grad not in GRAD_METHODS:
+        if self.grad not in GRAD_METHOD_NAMES:
             raise ValueError(f"grad={self.grad!r}: unknown gradient method; choose one of "
-                             f"{', '.join(map(repr, GRAD_METHODS))}")
+                             f"{', '.join(map(repr, GRAD_METHOD_NAMES))}")
         require_torchdiffeq()
         solvers = _solver_registry()
         if self.method not in solvers:
@@ -136,9 +141,9 @@ class SolveConfig:
                 f"(n_nodes+1)/2 nested sub-grid gives the error estimate); pass e.g. "
                 f"n_nodes={DEFAULT_N_NODES}, or add output times to split a long interval")
         object.__setattr__(self, "n_nodes", int(n))
-        if self.on_interp_error not in INTERP_ERROR_POLICIES:
+        if self.on_interp_error not in INTERP_ERROR_POLICY_NAMES:
             raise ValueError(f"on_interp_error={self.on_interp_error!r}: choose one of "
-                             f"{', '.join(map(repr, INTERP_ERROR_POLICIES))}")
+                             f"{', '.join(map(repr, INTERP_ERROR_POLICY_NAMES))}")
         if self.interp_tol is not None:
             object.__setattr__(self, "interp_tol", _positive_float(
                 "interp_tol", self.interp_tol,

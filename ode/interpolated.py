@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.function import once_differentiable
 
-from .config import SolveConfig, require_torchdiffeq
+from .config import INTERP_ERROR_POLICY_NAMES, SolveConfig, require_torchdiffeq
 from .errors import InterpolationError, internal_assert
 from .interp import LobattoInterpolant, nested_error
 from .nodes import segment_nodes
@@ -210,6 +210,10 @@ INTERP_ERROR_POLICIES = {
     "refine": _policy_refine,
     "fallback": _policy_fallback,
 }
+if tuple(INTERP_ERROR_POLICIES) != INTERP_ERROR_POLICY_NAMES:  # the names SolveConfig accepts
+    raise ImportError(f"ode.interpolated.INTERP_ERROR_POLICIES {tuple(INTERP_ERROR_POLICIES)} "
+                      f"differs from ode.config.INTERP_ERROR_POLICY_NAMES "
+                      f"{INTERP_ERROR_POLICY_NAMES}")
 
 
 def _assign_first_steps(rec: _Recording, steps: list[tuple[float, float]], direction: float):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .config import (DEFAULT_MAX_REFINE, DEFAULT_MAX_STEPS, DEFAULT_N_NODES,
+from .config import (DEFAULT_MAX_REFINE, DEFAULT_MAX_STEPS, DEFAULT_N_NODES, GRAD_METHOD_NAMES,
                      SolveConfig, check_t, check_y0, require_torchdiffeq)
 from .stats import MonitoredFunc, ODEStats
 
@@ -60,6 +60,9 @@ GRAD_METHODS: dict[str, Callable[..., torch.Tensor]] = {
     "adjoint": _solve_adjoint,
     "interpolated": _solve_interpolated,
 }
+if tuple(GRAD_METHODS) != GRAD_METHOD_NAMES:  # the names SolveConfig accepts
+    raise ImportError(f"ode.odeint.GRAD_METHODS {tuple(GRAD_METHODS)} differs from "
+                      f"ode.config.GRAD_METHOD_NAMES {GRAD_METHOD_NAMES}")
 
 
 def _resolve_params(func: Callable, adjoint_params: Iterable[torch.Tensor] | None,
