@@ -21,6 +21,7 @@ from torch import nn
 
 try:
     import lightning.pytorch as pl
+    from typing_extensions import override  # Lightning's own dependency
     from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -191,6 +192,7 @@ class CPCompressionCallback(pl.Callback):
         self._shape_hooks: list[Any] = []
         self._shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
+    @override
     @property
     def state_key(self) -> str:
         return self._generate_state_key(rate=self.rate, bits=self.bits, when=self.when)
@@ -268,10 +270,12 @@ class CPCompressionCallback(pl.Callback):
             f"({before / after:.2f}x), measured on the layers' first training forward"
         )
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         self._flops_from_shapes(pl_module)
 
+    @override
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
@@ -301,6 +305,7 @@ class CPCompressionCallback(pl.Callback):
                     config.scheduler.step()
 
     # ------------------------------------------------------------------ hooks
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._hook is None:  # also lets trainer.validate/test(ckpt_path=...) load CP factors
             self._hook = pl_module.register_load_state_dict_pre_hook(self._structure_pre_hook)
@@ -338,6 +343,7 @@ class CPCompressionCallback(pl.Callback):
                 # NOTE [ CP layers under remat ]
                 self._watch_shapes(pl_module, list(self._originals))
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.when == "fit_start" and not self._done and self._originals:
             self._solve(trainer, pl_module)
@@ -347,6 +353,7 @@ class CPCompressionCallback(pl.Callback):
             self._shape_hooks = []
         self._originals = {}
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         if not isinstance(self.when, int) or self._done or trainer.global_step < self.when:
@@ -357,6 +364,7 @@ class CPCompressionCallback(pl.Callback):
         self._solve(trainer, pl_module)
         self._rebuild_optimizers(trainer)
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.when == "fit_end" and not self._done:
             _refuse_remat_modules(pl_module, self.when)
@@ -368,6 +376,7 @@ class CPCompressionCallback(pl.Callback):
             for layer in self._cp_layers(pl_module):
                 layer.freeze()
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._hook is not None:
             self._hook.remove()
@@ -378,6 +387,7 @@ class CPCompressionCallback(pl.Callback):
             self._shape_hooks = []
 
     # ------------------------------------------------------------------ checkpoint state
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "plan": None if self._plan is None else self._plan.to_dict(),
@@ -385,6 +395,7 @@ class CPCompressionCallback(pl.Callback):
             "metrics_before": dict(self.metrics_before),
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("plan") is not None:
             self._plan = CompressionPlan.from_dict(state_dict["plan"])

@@ -47,6 +47,7 @@ from typing import Any, Optional, Union
 
 try:
     import lightning.pytorch as pl
+    from typing_extensions import override  # Lightning's own dependency
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities import rank_zero_info
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -130,6 +131,7 @@ class FewBitCallback(Callback):
 
     # ---- setup: replace (NOTE [ Replacing before remat captures ]) ---------------------------
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
@@ -139,6 +141,7 @@ class FewBitCallback(Callback):
         )
         rank_zero_info(str(self.report))
 
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # activation modules created after setup (LightningModule.setup, configure_model)
         self._refuse_captured(pl_module)
@@ -192,6 +195,7 @@ class FewBitCallback(Callback):
         finally:
             self._finish_measurement(WARMUP_STEP)
 
+    @override
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
@@ -225,17 +229,20 @@ class FewBitCallback(Callback):
         else:
             rank_zero_info(f"FewBitCallback, first training step: {self.memory_report}")
 
+    @override
     def on_before_backward(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Any
     ) -> None:
         self._finish_measurement()  # the forward is complete; backward frees what it saved
 
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:
         self._finish_measurement()  # steps without a backward hook (manual optimization)
 
+    @override
     def on_exception(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
     ) -> None:
@@ -245,6 +252,7 @@ class FewBitCallback(Callback):
 
     # ---- checkpoint state ------------------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"bits": self.bits}
         if self.report is not None:
@@ -258,6 +266,7 @@ class FewBitCallback(Callback):
             state["measured_on"] = self.measured_on
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("bits", self.bits) != self.bits:
             log.warning(

@@ -38,6 +38,7 @@ import torch
 
 try:
     import lightning.pytorch as pl
+    from typing_extensions import override  # Lightning's own dependency
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities import rank_zero_info
     from lightning.pytorch.utilities.seed import isolate_rng
@@ -138,12 +139,14 @@ class InterpolatedAdjointCallback(Callback):
 
     # -- switching -----------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
         self._restore()  # a second fit with the same callback starts clean
         self._switch(pl_module)
 
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._switch(pl_module)  # blocks created after setup (configure_model)
         if not self._tracked:
@@ -171,9 +174,11 @@ class InterpolatedAdjointCallback(Callback):
             self._tracked += new
             rank_zero_info(self._summary(new))
 
+    @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._restore()
 
+    @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                      exception: BaseException) -> None:
         self._restore()
@@ -214,6 +219,7 @@ class InterpolatedAdjointCallback(Callback):
 
         return hook
 
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
         k = self.check_every_n_steps
@@ -222,6 +228,7 @@ class InterpolatedAdjointCallback(Callback):
             tracked.stats = []
             tracked.check_input = tracked.check_grad = None
 
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         stats = [s for tracked in self._tracked for s in tracked.stats if s is not None]
@@ -238,6 +245,7 @@ class InterpolatedAdjointCallback(Callback):
 
     # -- gradient check ------------------------------------------------------------------------
 
+    @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._check_armed:
             return

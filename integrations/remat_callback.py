@@ -56,6 +56,7 @@ import torch
 
 try:
     import lightning.pytorch as pl
+    from typing_extensions import override  # Lightning's own dependency
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities import CombinedLoader, rank_zero_info, rank_zero_warn
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -291,10 +292,12 @@ class HiRemateCallback(Callback):
 
     # ---- fit start: warmup, solve, swap ----------------------------------------------------------
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             _check_strategy(trainer.strategy)
 
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         _check_strategy(trainer.strategy)
         self._restore()
@@ -540,6 +543,7 @@ class HiRemateCallback(Callback):
 
     # ---- training: keep modes in sync, measure the first step ------------------------------------
 
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                              batch: Any, batch_idx: int) -> None:
         if self._measure_next_step:
@@ -552,26 +556,31 @@ class HiRemateCallback(Callback):
         self.step_peak_bytes = self._first_step.stop()
         self._info(first_step_line(self.step_peak_bytes, self.eager_peak_bytes, owner=_OWNER))
 
+    @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         self._stop_measuring()
 
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         self._stop_measuring()
 
     # ---- end of fit ------------------------------------------------------------------------------
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # before any on_fit_end: NOTE [ Composing with the other callbacks ]
         self._stop_measuring()
         self._restore()
 
+    @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._stop_measuring()
             self._restore()
 
+    @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                      exception: BaseException) -> None:
         self._stop_measuring()
@@ -579,6 +588,7 @@ class HiRemateCallback(Callback):
 
     # ---- checkpoint state ------------------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
@@ -588,6 +598,7 @@ class HiRemateCallback(Callback):
             "plans": {name: dataclasses.asdict(plan) for name, plan in self.plans.items()},
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("version") != _STATE_VERSION:
             rank_zero_warn(f"{_OWNER}: ignoring checkpoint state of version "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import lightning as L
 from torch import nn
+from typing_extensions import override
 
 from recipes.optim import OptimConfig, build_optimizer
 
@@ -33,6 +34,7 @@ class RecipeModule(L.LightningModule):
         self.net = net
         self.optim_config = optim
 
+    @override
     def configure_optimizers(self):  # noqa: D102 - Lightning hook
         optimizer, scheduler = build_optimizer(
             self, self.optim_config, total_steps=max(1, self.trainer.max_steps)

@@ -176,17 +176,20 @@ class FitPhases(L.Callback):
         # FitPhases is the first callback: a hook is starting on the callbacks
         self._last = time.perf_counter()
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and self._fit_t0 is None:
             self._fit_t0 = time.perf_counter()
         self._restart()
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._restart()
         if self._train_t0 is None and self._fit_t0 is not None:
             self._train_t0 = self._last
             self.setup_time_s = self._train_t0 - self._fit_t0
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._train_t0 is not None:
             self.training_time_s = time.perf_counter() - self._train_t0
@@ -207,10 +210,12 @@ class _AfterPlugin(L.Callback):
     def state_key(self) -> str:  # one per plugin; Lightning keys callbacks by this
         return f"{type(self).__qualname__}[{self.name}]"
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.phases._add(self.name, self.phases.plugin_setup_s)
 
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.phases._add(self.name, self.phases.plugin_wrapup_s)
@@ -339,6 +344,7 @@ class RunStats(L.Callback):
                                 enabled=self.progress_bar and trainer.is_global_zero)
         self._bar.start(done=trainer.global_step)  # a resumed run starts where it was
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._sync(trainer)
         if trainer.global_step == trainer.max_steps - 1:  # the last step: measure its memory
@@ -359,6 +365,7 @@ class RunStats(L.Callback):
             cm, self._memory_cm = self._memory_cm, None
             cm.__exit__(None, None, None)
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._sync(trainer)
         self.step_times_s.append(time.perf_counter() - self._t0)
@@ -392,10 +399,12 @@ class RunStats(L.Callback):
             self._bar.close()
             self._bar = None
 
+    @override
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._stop_memory()  # never leave the profiler running
         self._close_bar()
 
+    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":

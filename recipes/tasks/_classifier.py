@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+from typing_extensions import override
 
 from recipes.module import RecipeModule
 
@@ -18,6 +19,7 @@ __all__ = ["DigitsClassifier"]
 class DigitsClassifier(RecipeModule):
     """Cross-entropy classification; ``self.net`` is a :class:`DigitsCNN`."""
 
+    @override
     def training_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
         x, y = batch
         logits = self.net(x)
@@ -26,9 +28,11 @@ class DigitsClassifier(RecipeModule):
         self.log("train_acc", (logits.argmax(1) == y).float().mean(), on_step=True, on_epoch=False)
         return loss
 
+    @override
     def on_validation_epoch_start(self) -> None:  # noqa: D102 - Lightning hook
         self._val_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
 
+    @override
     def validation_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
         x, y = batch
         logits = self.net(x)
@@ -37,6 +41,7 @@ class DigitsClassifier(RecipeModule):
         count = torch.tensor(float(y.numel()), dtype=torch.float64, device=self.device)
         self._val_stats += torch.stack([nll.double(), correct.double(), count])
 
+    @override
     def on_validation_epoch_end(self) -> None:  # noqa: D102 - Lightning hook
         nll, correct, count = self._val_stats.tolist()
         count = max(1.0, count)

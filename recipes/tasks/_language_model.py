@@ -20,6 +20,7 @@ __all__ = ["GPTLanguageModel"]
 class GPTLanguageModel(RecipeModule):
     """Next-byte prediction with cross-entropy; ``self.net`` is a :class:`GPT`."""
 
+    @override
     def training_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
         x, y = batch
         logits = self.net(x)
@@ -27,10 +28,12 @@ class GPTLanguageModel(RecipeModule):
         self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         return loss
 
+    @override
     def on_validation_epoch_start(self) -> None:  # noqa: D102 - Lightning hook
         self._val_nll = torch.zeros((), dtype=torch.float64, device=self.device)
         self._val_tokens = 0
 
+    @override
     def validation_step(self, batch, batch_idx):  # noqa: D102 - Lightning hook
         x, y = batch
         logits = self.net(x)
@@ -38,6 +41,7 @@ class GPTLanguageModel(RecipeModule):
         self._val_nll += nll.double()
         self._val_tokens += y.numel()
 
+    @override
     def on_validation_epoch_end(self) -> None:  # noqa: D102 - Lightning hook
         loss = (self._val_nll / max(1, self._val_tokens)).float()
         self.log("val_loss", loss, sync_dist=True)
