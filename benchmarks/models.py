@@ -10,6 +10,8 @@
   causal mask, classification head), returning logits or the loss.
 * :class:`Mamba` — a Mamba-style language model whose selective scan is a Python loop over time
   steps (no fused kernel), so a captured step has thousands of small ops.
+* :class:`RecurrentLM` — embedding, a stacked ``nn.LSTM``/``nn.GRU``/``nn.RNN``, a vocabulary head.
+* :class:`CellLoopLM` — the same with an ``nn.LSTMCell`` called in a Python loop over time.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "ResNet", "UNet", "MLP", "ViT", "Mamba", "gpt_batch", "image_batch"]
+__all__ = ["GPTConfig", "GPT", "ResNet", "UNet", "MLP", "ViT", "Mamba", "RecurrentLM", "CellLoopLM",
+           "gpt_batch", "image_batch"]
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,47 @@ class Mamba(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class RecurrentLM(nn.Module):
+    """Embedding, a stacked recurrent layer (``cell``: ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN``,
+    batch-first, dropout between its layers), a vocabulary head; ``forward(idx, targets)``
+    returns the loss."""
+
+    def __init__(self, cell: type = nn.LSTM, *, vocab_size: int = 1000, d_embed: int = 64,
+                 hidden: int = 128, n_layer: int = 2, bidirectional: bool = False,
+                 dropout: float = 0.3, **kwargs) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d_embed)
+        self.rnn = cell(d_embed, hidden, num_layers=n_layer, batch_first=True,
+                        bidirectional=bidirectional, dropout=dropout, **kwargs)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.emb(idx))
+        return F.cross_entropy(self.head(out).flatten(0, 1), targets.flatten())
+
+
+class CellLoopLM(nn.Module):
+    """Embedding, an ``nn.LSTMCell`` called once per time step in a Python loop, a vocabulary
+    head; ``forward(idx, targets)`` returns the loss. A captured step is a loop-shaped graph of
+    thousands of small ops."""
+
+    def __init__(self, vocab_size: int = 256, d_embed: int = 64, hidden: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, d_embed)
+        self.cell = nn.LSTMCell(d_embed, hidden)
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        h = c = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        outs = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            outs.append(h)
+        logits = self.head(torch.stack(outs, 1))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def gpt_batch(cfg: GPTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@
 
 ``scale`` rematerializes each model of :data:`MODELS` (an MLP, a 4-block ViT, a U-Net, a
 T5-small-config encoder-decoder, GPTs of 6 to 96 layers, a 24-layer GPT whose layers all differ,
-a Mamba-style model whose scan is a Python loop) with each solver at one budget, and prints per
+a Mamba-style model whose scan is a Python loop; by name also LSTM and GRU language models and an
+``nn.LSTMCell`` loop) with each solver at one budget, and prints per
 row: the joint graph's op count, the seconds spent capturing (and profiling) apart from the
 seconds spent solving, the predicted peak and step-time overhead, and the peak and overhead
 measured by running the rematerialized module and the eager model side by side for a few
@@ -45,7 +46,8 @@ import torch.nn as nn
 import remat
 from remat.schedule import save_all_schedule, simulate
 from remat.solvers import Problem, get_solver
-from benchmarks.models import GPT, MLP, GPTConfig, Mamba, UNet, ViT, gpt_batch, image_batch
+from benchmarks.models import (GPT, MLP, CellLoopLM, GPTConfig, Mamba, RecurrentLM, UNet, ViT,
+                               gpt_batch, image_batch)
 from benchmarks.remat_compare import LabelledLM, alternate_steps, keep_freed_memory, measure
 
 
@@ -119,6 +121,23 @@ def _mamba(quick: bool):
     return model, (idx, torch.roll(idx, -1, dims=1))
 
 
+def _tokens(vocab: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def _recurrent(cell: type, bidirectional: bool = False) -> Callable[[bool], tuple]:
+    def make(quick: bool):
+        batch, seq = (4, 8) if quick else (16, 48)
+        return (RecurrentLM(cell, bidirectional=bidirectional), _tokens(1000, batch, seq))
+    return make
+
+
+def _lstm_cell_loop(quick: bool):
+    seq = 4 if quick else 64
+    return CellLoopLM(), _tokens(256, 8, seq)
+
+
 # name -> factory(quick) returning (model, batch); model(*batch) returns the step's scalar loss.
 MODELS: dict[str, Callable[[bool], tuple[nn.Module, tuple]]] = {
     "mlp": _mlp,
@@ -128,6 +147,10 @@ MODELS: dict[str, Callable[[bool], tuple[nn.Module, tuple]]] = {
     **{f"gpt{n}": _gpt(n) for n in (1, 2, 6, 12, 24, 48, 96)},
     "gpt24-var": _gpt(24, varied=True),
     "mamba": _mamba,
+    "lstm-lm": _recurrent(nn.LSTM),
+    "lstm-bi": _recurrent(nn.LSTM, bidirectional=True),
+    "gru-lm": _recurrent(nn.GRU),
+    "lstm-cell": _lstm_cell_loop,
 }
 SCALE_MODELS = ["mlp", "vit4", "unet", "t5-small", "gpt6", "gpt12", "gpt24", "gpt48", "gpt96",
                 "gpt24-var", "mamba"]
@@ -202,8 +225,10 @@ def scale_model(name: str, args: argparse.Namespace) -> list[ScaleRow]:
         solver_name, options = VARIANTS.get(solver, (solver, {}))
         start = time.perf_counter()
         try:
+            # No plan cache: this measures the solve (and the op timing a cache would also keep),
+            # which a second run would otherwise read back in 0.00 s.
             rm = remat.rematerialize(model, *batch, budget=args.budget, solver=solver_name,
-                                     options=options, time_limit=args.time_limit)
+                                     options=options, time_limit=args.time_limit, cache=False)
         except remat.RematError as exc:
             rows.append(ScaleRow(name, solver, _error_status(exc), note=_reason(exc)))
             if isinstance(exc, remat.CaptureError):
