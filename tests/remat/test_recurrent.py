@@ -14,24 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
+from benchmarks.models import RecurrentLM
 from remat.errors import InfeasibleBudgetError
-
-
-class RecurrentLM(nn.Module):
-    """Embedding, a 2-layer LSTM/GRU with dropout between its layers, a vocabulary head; the
-    loss inside."""
-
-    def __init__(self, cell: type = nn.LSTM, *, bidirectional: bool = False, vocab: int = 1000,
-                 hidden: int = 128, dropout: float = 0.3, **kwargs) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, 64)
-        self.rnn = cell(64, hidden, num_layers=2, batch_first=True, bidirectional=bidirectional,
-                        dropout=dropout, **kwargs)
-        self.head = nn.Linear(hidden * (2 if bidirectional else 1), vocab)
-
-    def forward(self, idx, targets):
-        out, _ = self.rnn(self.emb(idx))
-        return F.cross_entropy(self.head(out).flatten(0, 1), targets.flatten())
 
 
 class Encoder(nn.Module):
@@ -164,7 +148,7 @@ def test_a_unidirectional_lstm_below_its_floor_says_what_it_can_reach():
     workspace is recomputed in its backward ]): where that is most of the step, the budget
     error names a budget that works, and that budget does."""
     torch.manual_seed(0)
-    model = RecurrentLM(nn.LSTM, vocab=256, hidden=256, dropout=0.0)
+    model = RecurrentLM(nn.LSTM, vocab_size=256, hidden=256, dropout=0.0)
     args = _tokens(16, 32)
     args = (args[0] % 256, args[1] % 256)
     with pytest.raises(InfeasibleBudgetError, match=r'raise the budget to "(\d+)%"') as caught:
