@@ -184,14 +184,18 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
         b_ih, b_hh = (weights[2:] if has_biases else
                       (torch.zeros(w_ih.shape, dtype=w_ih.dtype, device=w_ih.device),
                        torch.zeros(w_hh.shape, dtype=w_hh.dtype, device=w_hh.device)))
-        out, hy, cy = lstm_layer(x.contiguous(), w_ih, w_hh, b_ih, b_hh, hidden[0], hidden[1],
-                                 reverse, h0.size(2), num_layers, has_biases, bidirectional,
-                                 batch_first, train)
+        out, hy, cy = lstm_layer(x, w_ih, w_hh, b_ih, b_hh, hidden[0], hidden[1], reverse,
+                                 h0.size(2), num_layers, has_biases, bidirectional, batch_first,
+                                 train)
         return out, (hy, cy)
 
     weights = [params[i:i + group] for i in range(0, len(params), group)]
-    out, finals = _layers(input, list(zip(h0, c0)), weights, num_layers, dropout, train,
-                          bidirectional, batch_first, onednn)
+    # time-major and contiguous once, as eager's mkldnn_rnn makes it (every later layer's input
+    # is a fresh output); ``batch_first`` still reaches oneDNN as eager passes it
+    time_major = (input.transpose(0, 1) if batch_first else input).contiguous()
+    out, finals = _layers(time_major, list(zip(h0, c0)), weights, num_layers, dropout, train,
+                          bidirectional, False, onednn)
+    out = out.transpose(0, 1) if batch_first else out
     return out, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
 
 
