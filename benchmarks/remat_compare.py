@@ -42,7 +42,7 @@ import torch.utils.checkpoint as ckpt
 
 import remat
 from remat.costs import _page_fault_counter
-from remat.module import _own_step  # a frame of its own: NOTE [ Owning the compiled frames ]
+from remat.frames import own_step  # a frame of its own: NOTE [ Owning the compiled frames ]
 from benchmarks.models import GPT, GPTConfig, ResNet, UNet, ViT, gpt_batch, image_batch
 
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             # Each contender compiles a frame of its own, keeping its graphs (compiled with its
             # budget) without torch._dynamo.reset(), which would drop the others' before timing.
             m = copy.deepcopy(model)
-            cm = torch.compile(_own_step(f"compare_budget_{b:g}"), backend="aot_eager",
+            cm = torch.compile(own_step(f"compare_budget_{b:g}"), backend="aot_eager",
                                dynamic=False)
 
             def run(m=m, cm=cm, frac=frac):

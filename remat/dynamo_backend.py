@@ -87,7 +87,7 @@ class RematBackend:
         self.shapes = ShapePlans(self.budget, solver=solver, time_limit=self.time_limit,
                                  options=self.options)
         self.current_leaves: list[Any] = []  # the flattened inputs of the call being compiled
-        # Their names, computed on demand (NOTE [ Naming sizes ] in remat/module.py); None: unknown
+        # Their names, computed on demand (NOTE [ Naming sizes ] in remat/calls.py); None: unknown
         self.current_names: Callable[[], list[str] | None] | None = None
         self.last_entry: int | None = None  # the schedule the latest compiled graph runs
         self.lenient = False  # after pin(): over-budget new shapes warn instead of raising
@@ -120,7 +120,7 @@ class RematBackend:
 
     def _dim_names(self, dims: dict[str, tuple[int, int]]) -> dict[str, str]:
         """Size symbol -> ``"input_ids[1]"``: the name of the input leaf and the axis
-        (NOTE [ Naming sizes ] in remat/module.py); empty when the call is not known."""
+        (NOTE [ Naming sizes ] in remat/calls.py); empty when the call is not known."""
         names = self.current_names() if dims and self.current_names is not None else None
         if not names:
             return {}

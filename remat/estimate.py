@@ -69,7 +69,7 @@ def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, An
         *example_args: A real example batch.
         example_kwargs: Keyword arguments of the example call, as a dict (for names such as
             ``example_kwargs`` itself; NOTE [ Options that share a name with the model's ] in
-            :mod:`remat.module`).
+            :mod:`remat.example_call`).
         **call_kwargs: Keyword arguments of the example call.
 
     Returns:
@@ -85,14 +85,15 @@ def estimate(module: nn.Module, *example_args: Any, example_kwargs: dict[str, An
         >>> print(remat.estimate(model, batch).summary())
     """
     from .devices import step_device
-    from .module import _OWN_OPTION, example_call_kwargs, rematerialize
+    from .example_call import OWN_OPTION_WARNING, example_call_kwargs
+    from .module import rematerialize
 
     example_kwargs = example_call_kwargs(module, "estimate", {}, {}, example_kwargs, call_kwargs)
 
     step_device(module, example_args, example_kwargs, owner="estimate")  # before measuring
     # No limit: the unmodified step is what is reported (a percentage could be below it).
     with warnings.catch_warnings():  # the options are estimate's, not the user's
-        warnings.filterwarnings("ignore", message=_OWN_OPTION, category=UserWarning)
+        warnings.filterwarnings("ignore", message=OWN_OPTION_WARNING, category=UserWarning)
         rm = rematerialize(module, *example_args, budget=NO_LIMIT, solver="none",
                            example_kwargs=example_kwargs)
     plan = rm.plan

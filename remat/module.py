@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import logging
 import warnings
 import weakref
@@ -62,103 +61,20 @@ import torch.utils.checkpoint as _checkpoint
 from .dynamo_backend import DEFAULT_SOLVER, RematBackend
 from .budget import Budget
 from .cache import PlanCache
+from .calls import PROPAGATED_DIMS, flatten_call, leaf_names, without_view_bases
 from .devices import step_device
 from .eager_only import EagerOnly, eager_only
 from .eager_step import eager_reference, eager_step
 from .errors import CaptureError, InfeasibleBudgetError, RematError
+from .example_call import example_call_kwargs
 from .failures import add_note, capture_error, own_failure
+from .frames import RECOMPILE_LIMIT, capture_config, forget_backends, own_step
 from .plan import Plan
 from .state import preserve_state
 
 __all__ = ["RematModule", "rematerialize"]
 
 log = logging.getLogger(__name__)
-
-
-def _logging_methods() -> set:
-    """``logging.Logger`` methods, including the ``*_once`` ones libraries attach to it.
-
-    NOTE [ Log calls inside the captured forward ]
-    A log call in ``forward`` (Hugging Face models warn through ``logger.warning_once``) is a
-    graph break for dynamo. We capture with these methods marked as no-ops instead: the step is
-    captured as one graph and only the log line is lost.
-    """
-    names = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
-    names |= {n for n in vars(logging.Logger) if n.endswith("_once")}
-    return {getattr(logging.Logger, n) for n in names if callable(getattr(logging.Logger, n, None))}
-
-
-def _capture_config(leaves: list[Any]):
-    """Dynamo's settings for capturing a step.
-
-    NOTE [ Floats are constants of the capture ]
-    Captured with ``dynamic=True``, every Python float dynamo meets (a dropout probability, a
-    LayerNorm epsilon, an attention scale from the model's config) becomes a symbolic input.
-    Those that feed ops taking a Python number (``native_dropout``'s ``p``) cannot be turned into
-    tensors after AOTAutograd has traced the joint graph, and dynamo then throws the whole trace
-    away and captures again with them specialized: a 2-layer GPT-2 took 18.8 s to set up, 7 s of
-    it a discarded first attempt, and every later capture (a new schedule, a size of 1) paid the
-    same. Floats are therefore constants of the capture (guarded like any constant), unless the
-    call itself passes a float: an argument that changes from call to call (a schedule's
-    coefficient) stays symbolic, as before, rather than recompiling per value.
-    """
-    import torch._dynamo
-
-    ignored = set(torch._dynamo.config.ignore_logging_functions) | _logging_methods()
-    floats_in_call = any(type(leaf) is float for leaf in leaves)
-    return torch._dynamo.config.patch(ignore_logging_functions=ignored,
-                                      specialize_float=not floats_in_call,
-                                      # NOTE [ Recurrent layers as eager runs them ]
-                                      allow_rnn=True)
-
-
-def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    return module(*args, **kwargs)
-
-
-_STEP_NUMBERS = itertools.count(1)
-
-
-def _own_step(label: str):
-    """A function like :func:`_step` with a code object of its own.
-
-    NOTE [ Owning the compiled frames ]
-    Dynamo keeps compiled graphs on the code object it compiled and counts recompilations there:
-    compiling ``model.forward`` directly shares one cache (and one ``recompile_limit``) between
-    every instance of the class, every rematerialized copy and every input shape, so the ninth
-    shape or the ninth ``rematerialize`` of a model class failed. Each schedule of a
-    :class:`RematModule` runs through its own copy of this function: its dynamo cache holds
-    only that schedule's graphs, recompilations are counted there (``isolate_recompiles``),
-    and it is freed with the module.
-
-    Dynamo also remembers, by a code's file, line and *name*, which input sizes changed between
-    its compilations, and makes those dimensions dynamic, one symbol each, in the next compile of
-    any code of that name. Every copy is therefore named apart (``_remat_step_2_17``): a dynamic
-    capture after a static one of the same name gave the two inputs' batch dimensions two
-    symbols instead of one, a graph of another structure than the one later schedules compiled,
-    and one more capture and solve inside a training step.
-    """
-    import types
-
-    code = _step.__code__.replace(co_name=f"_remat_step_{label}_{next(_STEP_NUMBERS)}")
-    return types.FunctionType(code, _step.__globals__, code.co_name)
-
-
-# A recompilation happens per dynamo specialisation of one schedule (a size of 1, a new mode),
-# never per input shape (NOTE [ Dynamic shapes ]); this only bounds a pathological model.
-_RECOMPILE_LIMIT = 64
-
-
-# NOTE [ The user's tensors leave as they came ]
-# AOTAutograd stamps ``_dynamo_propagated_dynamic_indices`` on tensors it sees with symbolic
-# sizes (a hint for the next graph after a graph break; dynamo does not guard on it), the call's
-# own inputs included. A later capture that meets the same tensor (the user's example batch,
-# passed to a second ``rematerialize`` after ``torch._dynamo.reset()``) then gives that dimension
-# a symbol of its own instead of sharing one with its equal sizes: a graph with one more size
-# input, another structure, and a plan cache miss where the same model and batch had been
-# solved (the plan cache test failed this way). The stamp is removed from the call's tensors
-# that did not carry one before.
-_PROPAGATED_DIMS = "_dynamo_propagated_dynamic_indices"
 
 
 # NOTE [ The unmodified step runs eagerly ]
@@ -174,94 +90,6 @@ _PROPAGATED_DIMS = "_dynamo_propagated_dynamic_indices"
 # (``ShapePlans.run_price``); a batch runs eagerly only where that fits the budget. Without an
 # eager measurement (``remat.backend``, or a profiler already running) the unmodified step stays
 # compiled, with its exact simulated peak.
-
-
-def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
-    """The call's leaves and a key of what makes a call different for remat (shapes, dtypes,
-    devices of its tensors, and the structure of its arguments)."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, spec = tree_flatten((args, kwargs))
-    key = tuple((tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
-                if isinstance(x, torch.Tensor) else type(x) for x in leaves)
-    return leaves, (str(spec), key)
-
-
-def _without_view_bases(args: tuple, kwargs: dict, leaves: list[Any]
-                        ) -> tuple[tuple, dict, list[Any]]:
-    """The call with its input views, that need no gradient, detached from their bases.
-
-    NOTE [ Views reach the capture without their base ]
-    Dynamo guards an input that is a view on its ``_base``, and the guard fails with an error
-    (``'NoneType' object has no attribute 'size'``) when a later input is not one: a batch cut
-    from a longer one (``ids[:, :n]``, a view even when it keeps every column) followed by a
-    freshly collated one recompiled the step, as a new graph structure: one more capture, and
-    one more solve in the step that met it (a 40-step dynamic-padding run under Lightning made 3
-    structures instead of 1). Such inputs (token ids, masks: nothing that needs a gradient)
-    reach the compiled step detached, the same storage without the base; one tensor passed
-    twice (``input_ids=batch, labels=batch``) stays one.
-    """
-    if not any(isinstance(x, torch.Tensor) and x._base is not None and not x.requires_grad
-               for x in leaves):
-        return args, kwargs, leaves
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    flat, spec = tree_flatten((args, kwargs))
-    plain: dict[int, torch.Tensor] = {}
-    for k, x in enumerate(flat):
-        if isinstance(x, torch.Tensor) and x._base is not None and not x.requires_grad:
-            flat[k] = plain.setdefault(id(x), x.detach())
-    args, kwargs = tree_unflatten(flat, spec)
-    return args, kwargs, flat
-
-
-def _leaf_names(module: nn.Module, args: tuple, kwargs: dict) -> list[str] | None:
-    """A name for each leaf of the call ``module(*args, **kwargs)``, in :func:`_flatten`'s order.
-
-    NOTE [ Naming sizes ]
-    A size symbol of the captured graph (``s52``) means nothing to a person; the input dimension
-    it stands for does. Where the call is known (:class:`RematModule`'s own calls), each leaf is
-    named as the user wrote it: a keyword argument by its key (``input_ids``), a positional one by
-    its parameter name in ``module.forward``'s signature (``x``; ``arg0`` where the signature does
-    not say, e.g. ``*args``), a nested leaf by its path (``batch['x']``, ``pair[1]``). The backend
-    adds the axis (``input_ids[1]``) and :class:`~remat.sizes.ShapePlans` prints every size that
-    way. Graphs compiled through ``torch.compile(backend=remat.backend(...))`` are handed to us by
-    dynamo without the call, so their sizes read ``size s52``. Returns ``None`` when the call's
-    structure has no key paths (a custom pytree node registered without them).
-    """
-    import inspect
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
-    try:
-        params = [p.name for p in inspect.signature(module.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension)
-        params = []
-    try:
-        paths = [path for path, _ in tree_flatten_with_path((args, kwargs))[0]]
-    except (ValueError, TypeError):
-        return None
-    names = []
-    for path in paths:
-        where, first, rest = path[0], path[1], path[2:]
-        if getattr(where, "idx", None) == 0:  # a positional argument
-            head = params[first.idx] if first.idx < len(params) else f"arg{first.idx}"
-        else:
-            head = str(first.key)
-        names.append(head + keystr(rest))
-    return names
-
-
-def _forget_backends(slots: dict) -> None:
-    from torch._dynamo import eval_frame
-
-    ours = {id(slot_backend) for _, slot_backend, _ in slots.values()}
-    for key, value in list(eval_frame.cached_backends.items()):
-        if id(getattr(value, "compiler_fn", value)) in ours:
-            eval_frame.cached_backends.pop(key, None)
-    for _, _, code in slots.values():
-        torch._C._dynamo.eval_frame.reset_code(code)  # the compiled graphs kept on the code
-    slots.clear()
 
 
 class RematModule(nn.Module):
@@ -303,7 +131,7 @@ class RematModule(nn.Module):
         object.__setattr__(self, "_remat_auto", dynamic is None)
         # NOTE [ Owning the compiled frames ]: dynamo also remembers every backend it was given
         # (for its reset); forget ours with the module so its graphs and plans are freed.
-        weakref.finalize(self, _forget_backends, self._remat_slots)
+        weakref.finalize(self, forget_backends, self._remat_slots)
 
     @property
     def original(self) -> nn.Module:
@@ -383,10 +211,10 @@ class RematModule(nn.Module):
             backend = self._remat_backend
             slot_backend = functools.partial(backend, request=entry)
             slot_backend.__name__ = "remat_backend"  # type: ignore[attr-defined]
-            step = _own_step("auto" if entry is None else str(entry + 1))  # numbered as shown
+            step = own_step("auto" if entry is None else str(entry + 1))  # numbered as shown
             slots[entry] = (torch.compile(step, backend=slot_backend, fullgraph=True,
                                           dynamic=self._remat_dynamic,
-                                          recompile_limit=_RECOMPILE_LIMIT,
+                                          recompile_limit=RECOMPILE_LIMIT,
                                           isolate_recompiles=True), slot_backend, step.__code__)
         return slots[entry][0]
 
@@ -421,23 +249,23 @@ class RematModule(nn.Module):
         """Run schedule ``entry``'s compiled step (compiling it on first use)."""
         backend = self._remat_backend
         step = self._slot(entry)
-        args, kwargs, leaves = _without_view_bases(args, kwargs, leaves)
+        args, kwargs, leaves = without_view_bases(args, kwargs, leaves)
         backend.current_leaves = leaves
         # NOTE [ Naming sizes ]: read only when the step is compiled
-        backend.current_names = functools.partial(_leaf_names, self._remat_original, args, kwargs)
+        backend.current_names = functools.partial(leaf_names, self._remat_original, args, kwargs)
         unmarked = [x for x in leaves if isinstance(x, torch.Tensor)
-                    and not hasattr(x, _PROPAGATED_DIMS)]
+                    and not hasattr(x, PROPAGATED_DIMS)]
         try:
             # NOTE [ Log calls inside the captured forward ], NOTE [ Floats are constants of
             # the capture ]
-            with _capture_config(leaves):
+            with capture_config(leaves):
                 return step(self._remat_original, args, kwargs)
         finally:
             backend.current_leaves = []
             backend.current_names = None
             for x in unmarked:  # NOTE [ The user's tensors leave as they came ]
-                if hasattr(x, _PROPAGATED_DIMS):
-                    delattr(x, _PROPAGATED_DIMS)
+                if hasattr(x, PROPAGATED_DIMS):
+                    delattr(x, PROPAGATED_DIMS)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Frameworks set ``.training`` on every registered submodule directly (Lightning after
@@ -446,7 +274,7 @@ class RematModule(nn.Module):
             self._remat_original.training = self.training
         if not torch.is_grad_enabled():
             return self._remat_original(*args, **kwargs)
-        leaves, key = _flatten(args, kwargs)
+        leaves, key = flatten_call(args, kwargs)
         backend = self._remat_backend
         eager_only = self._remat_eager
         if eager_only is not None and not backend.shapes.families:
@@ -662,7 +490,7 @@ def rematerialize(
     step_device(module, example_args, example_kwargs)  # NOTE [ Devices remat can run on ]
     backend.eager = eager_reference(module, example_args, example_kwargs, eager_peak_bytes,
                                      step_peak_bytes)
-    leaves, (spec, _) = _flatten(example_args, example_kwargs)
+    leaves, (spec, _) = flatten_call(example_args, example_kwargs)
     eager = eager_only(backend.budget, solver, backend.eager, spec, leaves)
     if eager is not None:  # NOTE [ A budget the eager step fits ]
         backend.pin(eager.plan)
@@ -679,54 +507,8 @@ _CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(_checkpoint, "_StopRecomputationError", None),) if t)
 
 
-# NOTE [ Options that share a name with the model's ]
-# ``rematerialize(module, *args, budget=..., cache=..., **kwargs)`` takes the example call's
-# keyword arguments beside its own options, so a forward with a parameter of the same name
-# loses it silently: Hugging Face decoder layers take ``cache=``, which went to the plan cache
-# (``cache=None``: no plan cache, and the layer ran with its default; a ``DynamicCache``: a
-# TypeError about plan cache directories). Such arguments go in ``example_kwargs={...}``;
-# giving one of these options while the module's forward also takes that name warns, saying
-# where it went and how to send it to the module instead.
-_OWN_OPTION = r".*sets remat's own option"  # the warning's words, for estimate's own call
 # rematerialize's own options and their defaults, read from its signature
 _DEFAULTS = {name: p.default for name, p in inspect.signature(rematerialize).parameters.items()
              if p.kind is p.KEYWORD_ONLY and name != "example_kwargs"}
 
 
-def example_call_kwargs(module: nn.Module, owner: str, given: dict[str, Any],
-                        defaults: dict[str, Any], example_kwargs: dict[str, Any] | None,
-                        call_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The example call's keyword arguments: ``call_kwargs`` and ``example_kwargs`` (a dict, no
-    name in both), after warning about options in ``given`` that the module's forward also
-    takes (NOTE [ Options that share a name with the model's ])."""
-    if example_kwargs is None:
-        example_kwargs = {}
-    elif not isinstance(example_kwargs, dict):
-        raise TypeError(f"{owner}(example_kwargs={example_kwargs!r}): expected a dict of the "
-                        "example call's keyword arguments, e.g. example_kwargs={'cache': None}")
-    both = sorted(set(example_kwargs) & set(call_kwargs))
-    if both:
-        raise TypeError(f"{owner}(): {', '.join(map(repr, both))} given both as a keyword "
-                        "argument and in example_kwargs; pass it once, in example_kwargs")
-    try:
-        takes = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # a builtin or C forward: nothing to compare
-        takes = {}
-    for name, value in given.items():
-        param = takes.get(name)
-        if param is None or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) \
-                or name in example_kwargs or _same(value, defaults[name]):
-            continue
-        warnings.warn(
-            f"{owner}({name}={value!r}): {name}= sets remat's own option, and "
-            f"{type(module).__name__}.forward also takes {name!r}, which the example call does "
-            f"not get. To pass it to the module, use example_kwargs={{{name!r}: ...}}",
-            stacklevel=3)
-    return {**call_kwargs, **example_kwargs}
-
-
-def _same(value: Any, default: Any) -> bool:
-    try:
-        return bool(value is default or value == default)
-    except Exception:  # noqa: BLE001 - a tensor or an odd __eq__: not the default
-        return False

@@ -2,7 +2,7 @@
 
 NOTE [ Recurrent layers as eager runs them ]
 Dynamo refuses ``nn.RNNBase`` modules ("Attempted to wrap RNN, GRU, or LSTM") unless
-``torch._dynamo.config.allow_rnn`` is set (:func:`remat.module._capture_config` sets it). With it,
+``torch._dynamo.config.allow_rnn`` is set (:func:`remat.frames.capture_config` sets it). With it,
 the layer becomes one ``aten.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` call that AOTAutograd traces
 through PyTorch's Python decompositions (``torch/_decomp/decompositions.py``), and those differ
 from the eager step the user runs in two ways:

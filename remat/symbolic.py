@@ -71,7 +71,7 @@ def input_dims(graph: "torch.fx.Graph", example_inputs, leaves) -> dict[str, tup
     ``graph`` is dynamo's graph, ``example_inputs`` what dynamo passed for its placeholders,
     ``leaves`` the flattened tensors of the user's call (matched by identity). A symbol several
     inputs share (``input_ids`` and ``labels``) is read from the one the call passes first, the
-    name a person reads it by (NOTE [ Naming sizes ] in ``remat/module.py``).
+    name a person reads it by (NOTE [ Naming sizes ] in ``remat/calls.py``).
     """
     position: dict[int, int] = {}  # a tensor passed twice (input_ids=ids, labels=ids): the first
     for k, t in enumerate(leaves):

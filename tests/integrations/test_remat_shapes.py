@@ -1,7 +1,7 @@
 """HiRemateCallback on variable-size batches and many fits in one process, as users run it.
 
 No dynamo reset between fits: a script that calls ``trainer.fit`` ten times must keep
-rematerializing (NOTE [ Owning the compiled frames ] in ``remat/module.py``).
+rematerializing (NOTE [ Owning the compiled frames ] in ``remat/frames.py``).
 """
 from __future__ import annotations
 

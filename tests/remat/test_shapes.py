@@ -445,10 +445,10 @@ class _VarArgs(nn.Module):
     pytest.param(_VarArgs(), (1, 2, 3), {}, ["x", "arg1", "arg2"], id="varargs-by-position"),
 ])
 def test_each_leaf_of_a_call_is_named_as_the_user_wrote_it(module, args, kwargs, names):
-    from remat.module import _flatten, _leaf_names
+    from remat.calls import flatten_call, leaf_names
 
-    assert _leaf_names(module, args, kwargs) == names
-    assert len(_flatten(args, kwargs)[0]) == len(names)  # the leaves' order, one name each
+    assert leaf_names(module, args, kwargs) == names
+    assert len(flatten_call(args, kwargs)[0]) == len(names)  # the leaves' order, one name each
 
 
 class _DictMLP(nn.Module):
