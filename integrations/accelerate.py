@@ -57,21 +57,8 @@ NOTE [ FSDP2 under Accelerate ]
     FSDP1, DeepSpeed, tensor/context parallelism and FSDP's own activation checkpointing are
     refused with the reason and the supported alternative.
 
-NOTE [ Measuring the first step of a loop we do not own ]
-    Like ``HiRemateCallback``, the summary after ``prepare`` gives the measured peak of the
-    unmodified warmup step (the model's forward and backward on the example batch, which its
-    percentages are of: ``rematerialize`` measures it for a whole model; with ``module=`` names
-    the whole model is measured once more, as the callback's warmup does), then the measured peak
-    of the first training step. Lightning calls the callback around each step; an Accelerate loop
-    is the user's, so the model carries the hooks: its first forward with gradients enabled in
-    training mode starts ``remat.track_memory``, which stops at the next optimizer step (torch's
-    global step pre-hook) or the model's next call, whichever comes first: forward, loss and
-    backward, not the optimizer step, as in the callback (under gradient accumulation, one
-    micro-batch). It is reported only if a backward ran through the forward's outputs (a
-    gradient hook sets a flag). The profiler is never stopped inside the backward itself: the
-    autograd engine puts back, when the backward ends, the thread-local profiler state it
-    started with, which would leave a stopped session switched on for the thread. Main process
-    and ``verbose`` only; the hooks remove themselves once done.
+NOTE [ Measuring the first step of a loop we do not own ]: in
+:mod:`integrations._accelerate_first_step`.
 """
 from __future__ import annotations
 
@@ -85,7 +72,6 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 try:
     from accelerate import Accelerator
@@ -107,6 +93,7 @@ import remat
 from remat import PlanCache, RematModule
 from remat.cache import CACHE_OFF, plan_cache_for
 
+from integrations._accelerate_first_step import EAGER_DETAIL, FirstStepReport, warmup_peak
 from integrations._fsdp import (
     Unplannable,
     fsdp2_line,
@@ -118,11 +105,9 @@ from integrations._fsdp import (
 from integrations._remat_shared import (
     Collectives,
     RematSettings,
-    StepMeter,
     Target,
     TargetResult,
     check_settings,
-    first_step_line,
     format_table,
     resolve_names,
     solve_targets,
@@ -372,76 +357,6 @@ def _collectives(accelerator: Accelerator) -> Collectives:
                        broadcast=broadcast, all_true=all_true, all_max=all_max)
 
 
-# What the unmodified warmup step ran, for the summary (NOTE [ Measuring the first step of a loop
-# we do not own ]).
-_EAGER_DETAIL = "forward + backward of the model on the example batch"
-
-
-class _FirstStepReport:
-    """Measures the first training step of ``model`` and logs it with :func:`first_step_line`;
-    see NOTE [ Measuring the first step of a loop we do not own ]."""
-
-    def __init__(self, model: nn.Module, device: torch.device, eager_peak_bytes: Optional[int],
-                 owner: str) -> None:
-        self.meter = StepMeter()
-        self.device = device
-        self.eager_peak_bytes = eager_peak_bytes
-        self.owner = owner
-        self.backward_ran = False
-        self._handles = [model.register_forward_pre_hook(self._before),
-                         model.register_forward_hook(self._after)]
-
-    def _before(self, module: nn.Module, args: Any) -> None:
-        if self.meter.running:  # the next call began before any optimizer step
-            self._finish()
-        elif torch.is_grad_enabled() and module.training:
-            if self.meter.start(self.device):
-                self._handles.append(register_optimizer_step_pre_hook(self._finish))
-            else:  # cannot measure here (another profiler session on CPU, a device type)
-                self._remove()
-
-    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.meter.running:
-            return
-        for t in _leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._at_backward)
-
-    def _at_backward(self, grad: torch.Tensor) -> None:
-        self.backward_ran = True  # only a flag: the profiler is never stopped inside a backward
-
-    def _finish(self, *args: Any) -> None:
-        peak = self.meter.stop()
-        self._remove()
-        if peak is not None and self.backward_ran:
-            log.info(first_step_line(peak, self.eager_peak_bytes, owner=self.owner))
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def _leaves(output: Any) -> list:
-    """The leaves of a model's output (a mapping pytree does not know, e.g. a ``ModelOutput``
-    that is not registered, by its values)."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves = tree_flatten(output)[0]
-    if len(leaves) == 1 and isinstance(leaves[0], Mapping):
-        leaves = tree_flatten(list(leaves[0].values()))[0]
-    return leaves
-
-
-def _warmup_peak(model: nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
-    """The measured peak of the model's unmodified warmup step on the example batch, ``None``
-    when it cannot be measured (NOTE [ Measuring the first step of a loop we do not own ])."""
-    try:
-        return remat.measure_eager_step(model, *args, **kwargs)
-    except RuntimeError:  # a torch.profiler session is running (CPU)
-        return None
-
-
 def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
                    settings: RematSettings, cache: PlanCache, *,
                    device_placement: Optional[bool] = None, owner: str = _OWNER
@@ -505,7 +420,7 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
                                  "forward on the example batch; name modules the forward runs")
         measured = None
         if report and settings.module is not None:  # the whole model, before the swap
-            measured = _warmup_peak(base, args, kwargs)
+            measured = warmup_peak(base, args, kwargs)
         results = solve_targets(targets, calls, settings, cache, owner=owner,
                                 comm=_collectives(accelerator), info=info, warn=warn)
     plan = results[""].plan if settings.module is None else None
@@ -521,9 +436,9 @@ def _rematerialize(accelerator: Accelerator, model: nn.Module, batch: Any,
             setattr(target.parent, target.attr, rm)
     if report:
         log.info(format_table(results, settings, owner=owner, eager_peak_bytes=measured,
-                              eager_detail=_EAGER_DETAIL))
+                              eager_detail=EAGER_DETAIL))
         if any(r.remat_module is not None for r in results.values()):
-            _FirstStepReport(model, device, measured, owner)
+            FirstStepReport(model, device, measured, owner)
     return model, results
 
 
@@ -562,7 +477,7 @@ def _rematerialize_fsdp2(accelerator: Accelerator, model: nn.Module, batch: Any,
         warnings.warn(fsdp2_miss(planned, eager, owner=owner), stacklevel=4)
     if settings.verbose and main:
         log.info(format_table(results, settings, owner=owner, eager_peak_bytes=eager,
-                              eager_detail=_EAGER_DETAIL))
+                              eager_detail=EAGER_DETAIL))
     return model, results
 
 
