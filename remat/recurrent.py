@@ -21,7 +21,7 @@ between layers where eager applies it (``aten/src/ATen/native/RNN.cpp``, ``apply
 ``mkldnn/RNN.cpp``, ``mkldnn_rnn``). Gradients are then bitwise eager's (tests/remat/
 test_recurrent.py). Elsewhere the decomposition stays: an LSTM on CUDA (eager runs cuDNN, whose
 sums we cannot reproduce op by op) or with projections is captured as a cell loop whose gradients
-are close to eager's, not bitwise (README, "What remat captures").
+are close to eager's, not bitwise (README, "What it captures").
 
 NOTE [ The LSTM's workspace is recomputed in its backward ]
 oneDNN's training forward returns a workspace (gates and states of every step: 7.6 MiB for 64
@@ -167,35 +167,32 @@ def _layers(input: Tensor, hidden: list, params: list, num_layers: int, dropout:
 
 
 def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    if not _onednn_eligible(input, hx, params):
-        grouped = decomp.gather_params(params, has_biases, hx[0].size(2) != hx[1].size(2))
+    weights = decomp.gather_params(params, has_biases, hx[0].size(2) != hx[1].size(2))
+    if _onednn_eligible(input, hx, params):
+        h0, c0 = hx[0].contiguous(), hx[1].contiguous()
 
-        def cell_loop(x, hidden, weights, reverse):
+        def layer_fn(x, hidden, weights, reverse):
+            w_ih, w_hh = weights[:2]
+            b_ih, b_hh = (weights[2:] if has_biases else  # the zeros eager passes
+                          (torch.zeros(w_ih.shape, dtype=w_ih.dtype, device=w_ih.device),
+                           torch.zeros(w_hh.shape, dtype=w_hh.dtype, device=w_hh.device)))
+            out, hy, cy = lstm_layer(x, w_ih, w_hh, b_ih, b_hh, hidden[0], hidden[1], reverse,
+                                     h0.size(2), num_layers, has_biases, bidirectional,
+                                     batch_first, train)
+            return out, (hy, cy)
+
+        # time-major and contiguous once, as eager's mkldnn_rnn makes it (every later layer's
+        # input is a fresh output); ``batch_first`` still reaches oneDNN as eager passes it
+        time_major = (input.transpose(0, 1) if batch_first else input).contiguous()
+        out, finals = _layers(time_major, list(zip(h0, c0)), weights, num_layers, dropout,
+                              train, bidirectional, False, layer_fn)
+        out = out.transpose(0, 1) if batch_first else out
+    else:
+        def layer_fn(x, hidden, weights, reverse):
             return decomp.one_layer_lstm(x, hidden, weights, has_biases, reverse=reverse)
 
-        out, finals = _layers(input, list(zip(hx[0], hx[1])), grouped, num_layers, dropout,
-                              train, bidirectional, batch_first, cell_loop)
-        return out, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
-    group = 4 if has_biases else 2
-    h0, c0 = hx[0].contiguous(), hx[1].contiguous()
-
-    def onednn(x, hidden, weights, reverse):
-        w_ih, w_hh = weights[:2]
-        b_ih, b_hh = (weights[2:] if has_biases else
-                      (torch.zeros(w_ih.shape, dtype=w_ih.dtype, device=w_ih.device),
-                       torch.zeros(w_hh.shape, dtype=w_hh.dtype, device=w_hh.device)))
-        out, hy, cy = lstm_layer(x, w_ih, w_hh, b_ih, b_hh, hidden[0], hidden[1], reverse,
-                                 h0.size(2), num_layers, has_biases, bidirectional, batch_first,
-                                 train)
-        return out, (hy, cy)
-
-    weights = [params[i:i + group] for i in range(0, len(params), group)]
-    # time-major and contiguous once, as eager's mkldnn_rnn makes it (every later layer's input
-    # is a fresh output); ``batch_first`` still reaches oneDNN as eager passes it
-    time_major = (input.transpose(0, 1) if batch_first else input).contiguous()
-    out, finals = _layers(time_major, list(zip(h0, c0)), weights, num_layers, dropout, train,
-                          bidirectional, False, onednn)
-    out = out.transpose(0, 1) if batch_first else out
+        out, finals = _layers(input, list(zip(hx[0], hx[1])), weights, num_layers, dropout,
+                              train, bidirectional, batch_first, layer_fn)
     return out, torch.stack([h for h, _ in finals]), torch.stack([c for _, c in finals])
 
 

@@ -7,6 +7,7 @@ again in backward; GRU and RNN layers are cell loops, with dropout between layer
 applies it (PyTorch's own decomposition drops it).
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -153,8 +154,6 @@ def test_a_unidirectional_lstm_below_its_floor_says_what_it_can_reach():
     args = (args[0] % 256, args[1] % 256)
     with pytest.raises(InfeasibleBudgetError, match=r'raise the budget to "(\d+)%"') as caught:
         remat.rematerialize(copy.deepcopy(model), *args, budget="40%")
-    import re
-
     advised = re.search(r'raise the budget to "(\d+)%"', str(caught.value)).group(1)
     _assert_bitwise_within(model, f"{advised}%", args)
 
