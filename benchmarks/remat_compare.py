@@ -14,6 +14,11 @@ PyTorch measured in the same run. Methods:
 * ``checkpoint(blocks)``    — ``torch.utils.checkpoint`` around every block (non-reentrant);
 * ``torch.compile(budget=B)`` — ``torch.compile(backend="aot_eager")`` with
   ``torch._functorch.config.activation_memory_budget = B`` (PyTorch's own budgeted partitioner);
+* ``torch.compile(inductor, budget=B)`` (``--inductor``) — the same partitioner under
+  ``torch.compile``'s default backend, what a user who calls ``torch.compile`` gets: its setup
+  is a first call with empty compile caches (``torch._inductor.utils.fresh_cache``), as on a new
+  machine; its peak and time include Inductor's fused kernels, so they are not the partitioner's
+  alone (that is the ``aot_eager`` row);
 * ``remat(B)``              — ``remat.rematerialize(model, batch, budget=B)``.
 
 Each method's setup (seconds until its first step ended: remat's measurement, capture,
@@ -180,6 +185,25 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_TRIM, _KEEP_MMAP = 2**31 - 1, 32 * 2**20
 
 
+def add_inductor(add: Callable, model: nn.Module, batch: tuple, loss_of: Callable,
+                 budget: float) -> None:
+    """The ``torch.compile(inductor, budget=B)`` row: ``torch.compile``'s default backend with
+    the budgeted partitioner, its first call made with fresh (empty) Inductor caches, as a user
+    meets it on a new machine or after changing the model."""
+    from torch._inductor.utils import fresh_cache
+
+    frac = budget / 100.0
+    m = copy.deepcopy(model)
+    cm = torch.compile(own_step(f"compare_inductor_{budget:g}"), dynamic=False)
+
+    def run() -> torch.Tensor:
+        with torch._functorch.config.patch(activation_memory_budget=frac):
+            return loss_of(cm(m, batch, {}))
+
+    with fresh_cache():
+        add(f"torch.compile(inductor, budget={frac:g})", m, run, "first call from empty caches")
+
+
 def setup_again(model: nn.Module, batch: tuple, loss_of: Callable, budget: float,
                 args: argparse.Namespace, step_peak: int, cache_dir: str) -> float:
     """Seconds from ``rematerialize`` to the end of the first step in a later run on this
@@ -276,6 +300,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-amb", action="store_true", help="skip torch's activation_memory_budget")
+    parser.add_argument("--inductor", action="store_true", help="also torch.compile's default "
+                        "backend (Inductor) with the budget, its setup from empty caches")
     parser.add_argument("--quick", action="store_true", help="small model, two budgets, fast")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--dynamic", dest="dynamic", action="store_const", const=True,
@@ -319,6 +345,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     return loss_of(cm(m, batch, {}))
 
             add(f"torch.compile(budget={frac:g})", m, run)
+        if args.inductor:
+            add_inductor(add, model, batch, loss_of, b)
         m = copy.deepcopy(model)
         kept = tempfile.TemporaryDirectory(prefix="remat_compare_")
         start = time.perf_counter()
@@ -366,11 +394,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
     """The table, then a legend that defines each column and explains every difference."""
-    lines = [f"{'method':<28}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}"
+    width = max(28, *(len(r.method) + 2 for r in rows))
+    lines = [f"{'method':<{width}}{'peak MiB':>10}{'peak/eager':>12}{'time/eager':>12}"
              f"{'setup s':>9}{'again s':>9}{'grad diff':>11}  notes"]
     for r in rows:
         again = "-" if math.isnan(r.setup_again_s) else f"{r.setup_again_s:.1f}"
-        lines.append(f"{r.method:<28}{r.peak / 2**20:>10.2f}{r.peak / eager.peak:>12.3f}"
+        lines.append(f"{r.method:<{width}}{r.peak / 2**20:>10.2f}{r.peak / eager.peak:>12.3f}"
                      f"{r.step_s / eager.step_s:>12.3f}{r.setup_s:>9.1f}{again:>9}"
                      f"{r.grad_diff:>11.2e}  {r.note}")
     lines += [
@@ -392,6 +421,10 @@ def report(rows: list[Row], eager: Row, *, dropout: float = 0.0) -> str:
         "checkpoint(N blocks): torch.utils.checkpoint (non-reentrant) around each of N blocks",
         "torch.compile(budget=B): torch.compile(backend='aot_eager') with "
         "torch._functorch.config.activation_memory_budget=B",
+        *(["torch.compile(inductor, budget=B): the same budget under torch.compile's default "
+           "backend (what a user gets); its setup is a",
+           "            first call with empty compile caches; peak and time include its fused "
+           "kernels"] if any("inductor" in r.method for r in rows) else []),
         "remat(B%):  remat.rematerialize(model, *batch, budget='B%') (B% of eager's measured "
         "step peak)",
     ]
