@@ -73,6 +73,16 @@ _INNER_SLOTS = 200
 # time limit that only guards against a pathological block.
 _LEAF_NODES = 500
 _LEAF_TIME_LIMIT = 5.0
+# NOTE [ Leaves of loops ]: a leaf whose ILP has more binaries than this is cut in two, as a
+# block with more forward ops than ``leaf_ops`` is, and gets no ILP options of its own (that
+# ILP is the one too large). A GPT's leaves have ~450 binaries, a Mamba-style scan's ~780; a
+# loop's have many more at the same op count (an ``LSTMCell`` step is a dozen tiny ops whose
+# values reach later steps' backward): where the chain could not cut them at ``max_block_ops``
+# a 64-step loop had 51-op leaves of 3,124-3,143 binaries, whose MIPs stopped at the 5 s cap
+# in 13 of 39 solves (7 of 39 even with an 80-node bound), so the plan depended on machine
+# load. Cut in two (357-416 binaries), none is capped and the schedule is as fast.
+_LEAF_MAX_BINARIES = 1_200
+_MIN_SPLIT_OPS = 16
 _MID_BLOCK_VARIABLES = 3_000  # composed blocks whose ILP is this small also get ILP options
 # ... on a coarser grid than leaves (each point is one MIP solve of a whole transformer layer).
 # Their MIPs are bounded in nodes too, as a node bound does not depend on machine load: the
@@ -476,17 +486,23 @@ class _Context:
         limit = self.option_time_limit or _LEAF_TIME_LIMIT
         plan: tuple[Chain | None, dict | None] = (
             None, {"time_limit": limit, "use_ilp": use_ilp, "max_nodes": _LEAF_NODES})
+        chain, too_big = None, False
         if sub.num_forward > self.leaf_ops and depth < 6:
             chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2),
                                     regions=self.regions)
-            if len(chain.segments) > 1:
-                # Mid-sized blocks (a transformer layer) also get the exact ILP's options: the
-                # composition of its children's options misses trade-offs across them (keep
-                # the first linear's output, recompute the activation after it): 1-2 layer
-                # GPTs at 80%, +7.6% step time from composed options alone vs +3.7% exact.
-                plan = (chain, {"time_limit": limit, "use_ilp": True,
-                                "max_variables": _MID_BLOCK_VARIABLES, **_MID_BLOCK_GRID}
-                        if use_ilp and self.mid_ilp else None)
+        if (use_ilp and depth < 6 and (chain is None or len(chain.segments) == 1)
+                and sub.num_forward >= _MIN_SPLIT_OPS
+                and _Model(sub, 0).num_variables > _LEAF_MAX_BINARIES):  # NOTE [ Leaves of loops ]
+            chain = chain_structure(sub, max_block_ops=sub.num_forward // 2, regions=self.regions)
+            too_big = True
+        if chain is not None and len(chain.segments) > 1:
+            # Mid-sized blocks (a transformer layer) also get the exact ILP's options: the
+            # composition of its children's options misses trade-offs across them (keep the
+            # first linear's output, recompute the activation after it): 1-2 layer GPTs at
+            # 80%, +7.6% step time from composed options alone vs +3.7% exact.
+            plan = (chain, {"time_limit": limit, "use_ilp": True,
+                            "max_variables": _MID_BLOCK_VARIABLES, **_MID_BLOCK_GRID}
+                    if use_ilp and self.mid_ilp and not too_big else None)
         self.plans[sig] = plan
         return plan
 

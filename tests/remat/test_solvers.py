@@ -887,6 +887,30 @@ def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_i
     assert prefetched == alone and alone[1] > 0
 
 
+def test_a_leaf_whose_ilp_is_too_large_is_cut_in_two(monkeypatch):
+    """NOTE [ Leaves of loops ]: a leaf the chain does not cut at ``leaf_ops`` (one module of 24
+    ops) but whose ILP has more than ``_LEAF_MAX_BINARIES`` binaries is solved as two smaller
+    leaves, with no MIP of its own size, and its schedule still fits and is no slower."""
+    import remat.solvers.hierarchical as hierarchical
+    import remat.solvers.ilp as ilp
+
+    graph = chain([1.0 + (k % 3) for k in range(24)], act=1000, grad=D, per_layer=24)
+    problem = Problem(graph, baseline(graph) // 2,
+                      options={"progress": False, "leaf_ops": 24, "exact_top": False})
+    sizes: list[int] = []
+    real = ilp.ILPSolver.solve
+    monkeypatch.setattr(ilp.ILPSolver, "solve", lambda self, p: sizes.append(
+        ilp._Model(p.graph, 0).num_variables) or real(self, p))
+    whole = get_solver("hierarchical").solve(problem)
+    largest = max(sizes)
+    sizes.clear()
+    monkeypatch.setattr(hierarchical, "_LEAF_MAX_BINARIES", largest - 1)
+    cut = get_solver("hierarchical").solve(problem)
+    assert sizes and max(sizes) <= largest // 2
+    assert cut.simulation.peak_bytes <= problem.budget_bytes
+    assert cut.simulation.time <= whole.simulation.time
+
+
 def test_pooled_mips_start_largest_first_peak_limited_first(monkeypatch):
     """NOTE [ The MIPs of many blocks at once ]: the pool gets the largest models first and,
     within a block, its peak-limited MIP before its save-limited ones; each block's options are
