@@ -73,21 +73,29 @@ _INNER_SLOTS = 200
 # time limit that only guards against a pathological block.
 _LEAF_NODES = 500
 _LEAF_TIME_LIMIT = 5.0
-# NOTE [ Leaves of loops ]: a leaf whose ILP has more binaries than this is cut in two, as a
-# block with more forward ops than ``leaf_ops`` is, and gets no ILP options of its own (that
-# ILP is the one too large). A GPT's leaves have ~450 binaries, a Mamba-style scan's ~780; a
-# loop's have many more at the same op count (an ``LSTMCell`` step is a dozen tiny ops whose
-# values reach later steps' backward): where the chain could not cut them at ``max_block_ops``
-# a 64-step loop had 51-op leaves of 3,124-3,143 binaries, whose MIPs stopped at the 5 s cap
-# in 13 of 39 solves (7 of 39 even with an 80-node bound), so the plan depended on machine
-# load. Cut in two (357-416 binaries), none is capped and the schedule is as fast.
-_LEAF_MAX_BINARIES = 1_200
+# NOTE [ Block MIPs of loops ]: no block's MIP in a hierarchy has more binaries than this. A
+# leaf with more is cut in two, as a block with more forward ops than ``leaf_ops`` is, and
+# gets no ILP options of its own (that ILP is the one too large); a composed block with more
+# gets only the options composed from its children. A GPT's leaves have ~450 binaries and its
+# layer's MIP ~720; a Mamba-style scan's leaves ~780 and its composed blocks ~1,380 (1.3 s at
+# 50 nodes; without them, the same schedule). A loop's have many more at the same op count
+# (an ``LSTMCell`` or GRU step is a dozen tiny ops whose values reach later steps' backward),
+# and their MIPs are slow for their size:
+# * where the chain could not cut them at ``max_block_ops``, a 64-step ``LSTMCell`` loop had
+#   51-op leaves of 3,124-3,143 binaries whose MIPs stopped at the 5 s cap in 13 of 39 solves
+#   (7 of 39 even with an 80-node bound): solve 53 s, and a plan that depended on machine load.
+#   Cut in two (357-416 binaries), none is capped: 18-20 s, +117.1% vs +116.2% predicted;
+# * a GRU encoder's composed blocks of 1,672-2,044 binaries took up to 5.1 s at 50 nodes (the
+#   cap): solve 19.6-24.1 s at 50-70%; without their MIPs 7.8-9.9 s, the same schedules.
+# The MLP, U-Net, T5-small, ViT, 12-layer GPT and the Mamba-style scan solve to the same
+# schedules as with the former bounds (3,000 binaries for composed blocks, none for leaves).
+_BLOCK_MAX_BINARIES = 1_200
 _MIN_SPLIT_OPS = 16
-_MID_BLOCK_VARIABLES = 3_000  # composed blocks whose ILP is this small also get ILP options
-# ... on a coarser grid than leaves (each point is one MIP solve of a whole transformer layer).
-# Their MIPs are bounded in nodes too, as a node bound does not depend on machine load: the
-# save-limited ones end at their root node, the peak-limited one may not (a GPT layer's: 1,190 us
-# of recomputation at 10 nodes, 819 at 50, 683 at 107; NOTE [ Branching when nodes are few ]).
+# Composed blocks within it also get ILP options, on a coarser grid than leaves (each point is
+# one MIP solve of a whole transformer layer). Their MIPs are bounded in nodes too, as a node
+# bound does not depend on machine load: the save-limited ones end at their root node, the
+# peak-limited one may not (a GPT layer's: 1,190 us of recomputation at 10 nodes, 819 at 50,
+# 683 at 107; NOTE [ Branching when nodes are few ]).
 _MID_BLOCK_GRID = {"save_grid": (0.15, 0.3, 0.5, 0.75), "peak_grid": (), "peak_range_grid": (0.4,),
                    "max_nodes": 50}
 # NOTE [ Fine and coarse top levels ]: a small graph is also solved with its top level cut at
@@ -486,23 +494,23 @@ class _Context:
         limit = self.option_time_limit or _LEAF_TIME_LIMIT
         plan: tuple[Chain | None, dict | None] = (
             None, {"time_limit": limit, "use_ilp": use_ilp, "max_nodes": _LEAF_NODES})
-        chain, too_big = None, False
+        chain = None
         if sub.num_forward > self.leaf_ops and depth < 6:
             chain = chain_structure(sub, max_block_ops=max(self.leaf_ops, self.max_block_ops // 2),
                                     regions=self.regions)
         if (use_ilp and depth < 6 and (chain is None or len(chain.segments) == 1)
                 and sub.num_forward >= _MIN_SPLIT_OPS
-                and _Model(sub, 0).num_variables > _LEAF_MAX_BINARIES):  # NOTE [ Leaves of loops ]
+                and _Model(sub, 0).num_variables > _BLOCK_MAX_BINARIES):
+            # NOTE [ Block MIPs of loops ]: its own ILP options are then refused for their size
             chain = chain_structure(sub, max_block_ops=sub.num_forward // 2, regions=self.regions)
-            too_big = True
         if chain is not None and len(chain.segments) > 1:
             # Mid-sized blocks (a transformer layer) also get the exact ILP's options: the
             # composition of its children's options misses trade-offs across them (keep the
             # first linear's output, recompute the activation after it): 1-2 layer GPTs at
             # 80%, +7.6% step time from composed options alone vs +3.7% exact.
             plan = (chain, {"time_limit": limit, "use_ilp": True,
-                            "max_variables": _MID_BLOCK_VARIABLES, **_MID_BLOCK_GRID}
-                    if use_ilp and self.mid_ilp and not too_big else None)
+                            "max_variables": _BLOCK_MAX_BINARIES, **_MID_BLOCK_GRID}
+                    if use_ilp and self.mid_ilp else None)
         self.plans[sig] = plan
         return plan
 

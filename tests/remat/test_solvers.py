@@ -888,8 +888,8 @@ def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_i
 
 
 def test_a_leaf_whose_ilp_is_too_large_is_cut_in_two(monkeypatch):
-    """NOTE [ Leaves of loops ]: a leaf the chain does not cut at ``leaf_ops`` (one module of 24
-    ops) but whose ILP has more than ``_LEAF_MAX_BINARIES`` binaries is solved as two smaller
+    """NOTE [ Block MIPs of loops ]: a leaf the chain does not cut at ``leaf_ops`` (one module of
+    24 ops) but whose ILP has more than ``_BLOCK_MAX_BINARIES`` binaries is solved as two smaller
     leaves, with no MIP of its own size, and its schedule still fits and is no slower."""
     import remat.solvers.hierarchical as hierarchical
     import remat.solvers.ilp as ilp
@@ -904,7 +904,7 @@ def test_a_leaf_whose_ilp_is_too_large_is_cut_in_two(monkeypatch):
     whole = get_solver("hierarchical").solve(problem)
     largest = max(sizes)
     sizes.clear()
-    monkeypatch.setattr(hierarchical, "_LEAF_MAX_BINARIES", largest - 1)
+    monkeypatch.setattr(hierarchical, "_BLOCK_MAX_BINARIES", largest - 1)
     cut = get_solver("hierarchical").solve(problem)
     assert sizes and max(sizes) <= largest // 2
     assert cut.simulation.peak_bytes <= problem.budget_bytes
