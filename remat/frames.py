@@ -4,14 +4,28 @@ module, and the ``torch._dynamo.config`` a capture runs under.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["RECOMPILE_LIMIT", "capture_config", "forget_backends", "own_step"]
+__all__ = ["RECOMPILE_LIMIT", "capture_config", "eager_algorithms", "forget_backends", "own_step",
+           "switched_algorithms"]
+
+# NOTE [ The algorithm eager runs ]
+# Some modules pick another algorithm when ``torch.compiler.is_compiling()`` is true: Hugging
+# Face's Mamba, FalconMamba, Jamba and Zamba mixers (``use_associative_scan``, on by default)
+# run ``associative_scan`` under dynamo and a sequential loop in eager. Captured as dynamo
+# sees it, the step was another computation: a 2-layer HF Mamba's gradients differed from
+# eager's by 1.2e-8, its captured unmodified peak was 1.67x eager's step (20.26 vs 12.14 MiB)
+# and 50% was out of reach (bound 54%, lowest schedule 77%; with eager's loop: bound 38%,
+# lowest 56%, and bitwise). So these attributes take eager's value while a compiled step runs,
+# at every call (dynamo guards on them: a capture alone would recompile at the next call) and
+# are restored after it: the user's module, called outside the step, is as they left it.
+_EAGER_VALUES = {"use_associative_scan": False}
 
 
 def _logging_methods() -> set:
@@ -49,6 +63,26 @@ def capture_config(leaves: list[Any]):
                                       specialize_float=not floats_in_call,
                                       # NOTE [ Recurrent layers as eager runs them ]
                                       allow_rnn=True)
+
+
+def switched_algorithms(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The (submodule, attribute) pairs of ``module`` that :func:`eager_algorithms` sets."""
+    return [(m, name) for m in module.modules() for name, value in _EAGER_VALUES.items()
+            if name in vars(m) and vars(m)[name] != value]
+
+
+@contextlib.contextmanager
+def eager_algorithms(switched: list[tuple[nn.Module, str]]) -> Iterator[None]:
+    """NOTE [ The algorithm eager runs ]: ``switched`` (see :func:`switched_algorithms`) at
+    eager's values inside the block, as they were after it."""
+    before = [getattr(m, name) for m, name in switched]
+    try:
+        for m, name in switched:
+            setattr(m, name, _EAGER_VALUES[name])
+        yield
+    finally:
+        for (m, name), value in zip(switched, before):
+            setattr(m, name, value)
 
 
 def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:

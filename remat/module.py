@@ -68,7 +68,8 @@ from .eager_step import eager_reference, eager_step
 from .errors import CaptureError, InfeasibleBudgetError, RematError
 from .example_call import example_call_kwargs
 from .failures import add_note, capture_error, own_failure
-from .frames import RECOMPILE_LIMIT, capture_config, forget_backends, own_step
+from .frames import (RECOMPILE_LIMIT, capture_config, eager_algorithms, forget_backends, own_step,
+                     switched_algorithms)
 from .plan import Plan
 from .state import preserve_state
 
@@ -117,6 +118,8 @@ class RematModule(nn.Module):
         self._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
         self.training = module.training
         object.__setattr__(self, "_remat_original", module)
+        # NOTE [ The algorithm eager runs ]
+        object.__setattr__(self, "_remat_switched", switched_algorithms(module))
         object.__setattr__(self, "_remat_backend", backend)
         object.__setattr__(self, "_remat_slots", {})  # schedule entry (or None) -> compiled step
         object.__setattr__(self, "_remat_decisions", {})  # call key -> schedule entry
@@ -258,7 +261,7 @@ class RematModule(nn.Module):
         try:
             # NOTE [ Log calls inside the captured forward ], NOTE [ Floats are constants of
             # the capture ]
-            with capture_config(leaves):
+            with capture_config(leaves), eager_algorithms(self._remat_switched):
                 return step(self._remat_original, args, kwargs)
         finally:
             backend.current_leaves = []

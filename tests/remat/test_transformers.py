@@ -74,3 +74,26 @@ def test_mixtral_batched_experts_are_bitwise_where_eager_is_deterministic():
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
     assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
+
+
+def test_hf_mamba_is_captured_as_eager_runs_it():
+    """NOTE [ The algorithm eager runs ]: HF Mamba's mixers run ``associative_scan`` when they
+    see dynamo (``use_associative_scan``, on by default) and a sequential loop in eager; the
+    captured step is eager's loop: bitwise gradients, within the budget, and the user's flag is
+    left as it was."""
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
+                                   num_hidden_layers=2, use_cache=False)
+    assert cfg.use_associative_scan
+    torch.manual_seed(0)
+    ref = transformers.MambaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
+    ids = torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(0))
+    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="60%")
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with remat.track_memory() as mem:
+        rm(input_ids=ids, labels=ids).loss.backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
+    assert len(mixers) == 2 and all(m.use_associative_scan is True for m in mixers)
