@@ -51,6 +51,22 @@ def test_hf_model_exact_and_within_budget(build):
     assert abs(mem.peak_bytes / plan.predicted_peak_bytes - 1) <= 0.05
 
 
+def assert_bitwise_within(budget: str, ref, batch: int, seq: int) -> torch.nn.Module:
+    """``rematerialize`` a copy of ``ref`` (an LM taking ``input_ids``/``labels``, vocabulary
+    256) at ``budget``: the gradients of one step equal eager's bitwise and its measured peak
+    keeps the budget. Returns the copy."""
+    model = copy.deepcopy(ref)
+    ids = torch.randint(256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget=budget)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    with remat.track_memory() as mem:
+        rm(input_ids=ids, labels=ids).loss.backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
+    return model
+
+
 def test_mixtral_batched_experts_are_bitwise_where_eager_is_deterministic():
     """Issue 34: Mixtral's ``batched_mm`` experts gave expert-weight gradients 7e-10 away from
     eager's. Eager's own differ that much from run to run: the gradient of
@@ -65,15 +81,7 @@ def test_mixtral_batched_experts_are_bitwise_where_eager_is_deterministic():
     torch.manual_seed(0)
     ref = transformers.MixtralForCausalLM(cfg)
     ref.set_experts_implementation("batched_mm")
-    model = copy.deepcopy(ref)
-    ids = torch.randint(256, (8, 64), generator=torch.Generator().manual_seed(0))
-    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="50%")
-    ref(input_ids=ids, labels=ids).loss.backward()
-    with remat.track_memory() as mem:
-        rm(input_ids=ids, labels=ids).loss.backward()
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a.grad, b.grad)
-    assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
+    assert_bitwise_within("50%", ref, batch=8, seq=64)
 
 
 def test_hf_mamba_is_captured_as_eager_runs_it():
@@ -86,14 +94,6 @@ def test_hf_mamba_is_captured_as_eager_runs_it():
     assert cfg.use_associative_scan
     torch.manual_seed(0)
     ref = transformers.MambaForCausalLM(cfg)
-    model = copy.deepcopy(ref)
+    model = assert_bitwise_within("60%", ref, batch=4, seq=32)
     mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
-    ids = torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(0))
-    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="60%")
-    ref(input_ids=ids, labels=ids).loss.backward()
-    with remat.track_memory() as mem:
-        rm(input_ids=ids, labels=ids).loss.backward()
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a.grad, b.grad)
-    assert mem.peak_bytes <= rm.plan.budget_bytes + LOSS_SLACK_BYTES
     assert len(mixers) == 2 and all(m.use_associative_scan is True for m in mixers)
