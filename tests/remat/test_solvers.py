@@ -7,7 +7,8 @@ from remat.solvers import SOLVERS, Problem, get_solver
 
 from remat.segments import chain_structure
 from remat.solvers.dag import block_dag
-from remat.solvers.hierarchical import HierarchicalSolver, _Context
+from remat.solvers.blocks import BlockContext
+from remat.solvers.hierarchical import HierarchicalSolver
 from remat.solvers.polish import polish
 from remat.subgraph import extract_subgraph
 
@@ -269,7 +270,7 @@ def test_polish_stops_after_a_run_of_misses(monkeypatch):
 
 def _blocks(graph):
     problem = Problem(graph, baseline(graph), options={"progress": False})
-    ctx = _Context(True, problem, float("inf"))
+    ctx = BlockContext(True, problem, float("inf"))
     structure = chain_structure(graph)
     subs = [extract_subgraph(graph, s, r) for s, r in zip(structure.segments, structure.regions)]
     return structure, subs, [ctx.options_of(sub.graph, 1) for sub in subs]
@@ -836,7 +837,7 @@ def test_blocks_of_one_wiring_and_close_sizes_share_schedules():
 
 
 def test_layers_of_different_widths_are_solved_once(monkeypatch):
-    import remat.solvers.hierarchical as hierarchical
+    import remat.solvers.blocks as blocks
 
     # 12 one-op layers, each 2% wider than the last (like a GPT whose MLP widths all differ).
     graph = _resized(chain([1.0 + (k % 3) for k in range(12)], act=1000, grad=D),
@@ -846,7 +847,7 @@ def test_layers_of_different_widths_are_solved_once(monkeypatch):
     shared = get_solver("hierarchical").solve(problem)
     assert "from blocks of other sizes" in shared.detail
     assert int(shared.detail.split("reused, ")[1].split(" ")[0]) > 0
-    monkeypatch.setattr(hierarchical, "sizes_close", lambda a, b: False)
+    monkeypatch.setattr(blocks, "sizes_close", lambda a, b: False)
     alone = get_solver("hierarchical").solve(problem)
     assert ", 0 from blocks of other sizes" in alone.detail
     assert shared.simulation.peak_bytes <= problem.budget_bytes
@@ -874,7 +875,7 @@ def test_prefetch_solves_exactly_the_blocks_options_of_solves(monkeypatch, mid_i
 
     def options(prefetch: bool):
         solved.clear()
-        ctx = _Context(True, problem, float("inf"), mid_ilp=mid_ilp)
+        ctx = BlockContext(True, problem, float("inf"), mid_ilp=mid_ilp)
         if prefetch:
             ctx.prefetch(subs, 1)
             assert ctx.solved == 0 and ctx.prefetched  # solved ahead, none through options_of yet
@@ -891,7 +892,7 @@ def test_a_leaf_whose_ilp_is_too_large_is_cut_in_two(monkeypatch):
     """NOTE [ Block MIPs of loops ]: a leaf the chain does not cut at ``leaf_ops`` (one module of
     24 ops) but whose ILP has more than ``_BLOCK_MAX_BINARIES`` binaries is solved as two smaller
     leaves, with no MIP of its own size, and its schedule still fits and is no slower."""
-    import remat.solvers.hierarchical as hierarchical
+    import remat.solvers.blocks as blocks
     import remat.solvers.ilp as ilp
 
     graph = chain([1.0 + (k % 3) for k in range(24)], act=1000, grad=D, per_layer=24)
@@ -904,7 +905,7 @@ def test_a_leaf_whose_ilp_is_too_large_is_cut_in_two(monkeypatch):
     whole = get_solver("hierarchical").solve(problem)
     largest = max(sizes)
     sizes.clear()
-    monkeypatch.setattr(hierarchical, "_BLOCK_MAX_BINARIES", largest - 1)
+    monkeypatch.setattr(blocks, "_BLOCK_MAX_BINARIES", largest - 1)
     cut = get_solver("hierarchical").solve(problem)
     assert sizes and max(sizes) <= largest // 2
     assert cut.simulation.peak_bytes <= problem.budget_bytes
