@@ -192,7 +192,13 @@ class RematBackend:
         run_bytes = self.shapes.run_budget_bytes() if self.lenient and carried is None else None
         if run_bytes is not None:
             # Another specialisation of the same module (a size of 1): the run's budget, not a
-            # share of its own smaller peak (NOTE [ Budgets over many sizes ]).
+            # share of its own smaller peak (NOTE [ Budgets over many sizes ]). A fraction is of
+            # the run's largest step, and a larger specialisation (a loop over a longer
+            # sequence, which dynamo unrolls at each length) is that step now: its own share.
+            if budget.bytes is None and reference is not None:
+                own = budget.resolve(
+                    simulate(sized.at(sizes), save_all_schedule(graph)).peak_bytes, reference)
+                run_bytes = max(run_bytes, own)
             budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
             reference = None  # already the module's bytes
         hit = self._cached(cache_key, graph, budget, reference)

@@ -97,3 +97,28 @@ def test_hf_mamba_is_captured_as_eager_runs_it():
     model = assert_bitwise_within("60%", ref, batch=4, seq=32)
     mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
     assert len(mixers) == 2 and all(m.use_associative_scan is True for m in mixers)
+
+
+def test_a_longer_sequence_than_the_example_gets_its_own_share():
+    """NOTE [ Budgets over many sizes ]: HF Mamba's scan loops over the sequence, so dynamo
+    captures each length as a graph of its own. A longer one is the run's largest step, and
+    "60%" is of it: it used to get the example's smaller budget in bytes, which no schedule
+    could meet, and ran a nearly unmodified step at 1.06x its eager peak."""
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
+                                   num_hidden_layers=2, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.MambaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(256, (4, 32), generator=g)
+    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="60%")
+    longer = torch.randint(256, (4, 48), generator=g)
+    with remat.track_memory() as eager:
+        ref(input_ids=longer, labels=longer).loss.backward()
+    rm(input_ids=longer, labels=longer).loss.backward()  # captures and solves this length
+    model.zero_grad(set_to_none=True)
+    with remat.track_memory() as mem:
+        rm(input_ids=longer, labels=longer).loss.backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert mem.peak_bytes <= 0.60 * eager.peak_bytes
