@@ -1,6 +1,7 @@
 """The compiled frames a :class:`~remat.module.RematModule` owns, and dynamo's settings while it
 captures: a code object per schedule (NOTE [ Owning the compiled frames ]), forgotten with the
-module, and the ``torch._dynamo.config`` a capture runs under.
+module, the ``torch._dynamo.config`` a capture runs under, and the module attributes a compiled
+step runs with (NOTE [ The algorithm eager runs ]).
 """
 from __future__ import annotations
 
