@@ -55,6 +55,7 @@ _MIN_SPLIT_OPS = 16
 _MID_BLOCK_GRID = {"save_grid": (0.15, 0.3, 0.5, 0.75), "peak_grid": (), "peak_range_grid": (0.4,),
                    "max_nodes": 50}
 
+
 @dataclasses.dataclass
 class SharedCaches:
     """What the hierarchies of one solve share."""
