@@ -531,9 +531,9 @@ def test_ctrl_c_stops_a_solve_within_a_second(solver):
     import time
     from pathlib import Path
 
-    # The child takes Ctrl-C as Python does by default, whatever this process left it: a
-    # SIGINT ignored here is ignored by the child too (a library in the suite's process left it
-    # so once, and both solves ran on through the interrupt).
+    # The child takes Ctrl-C as Python does by default, whatever this process inherited: a
+    # SIGINT ignored here is ignored by the child too (a suite started with ``&`` from a
+    # non-interactive shell has it ignored, and both solves ran on through the interrupt).
     code = (
         "import random, signal, time\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
