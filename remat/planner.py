@@ -72,13 +72,22 @@ def _block_checkpointing(graph: RematGraph, solver: str) -> list:
     return [(result.schedule, simulate(graph, result.schedule), "block checkpointing fallback")]
 
 
-def _lowest(graph: RematGraph, result):
-    """The solver's lowest-peak schedule, or the unmodified one if that is lower."""
-    everything = save_all_schedule(graph)
-    sim = simulate(graph, everything)
-    if result.schedule is None or sim.peak_bytes <= result.simulation.peak_bytes:
-        return replace(result, schedule=everything, simulation=sim, status="over_budget")
-    return replace(result, status="over_budget")
+def _lowest(graph: RematGraph, result, offered, baseline):
+    """NOTE [ Nothing fits: the lowest peak ]
+    Where no schedule fits (a later size family, after the example fitted), the step runs the
+    lowest-peak schedule of all it was offered: the solver's, the unmodified step, the user's
+    own checkpointing and the rescues (least memory, per-block checkpointing), fastest first at
+    equal peak, as :class:`~remat.sizes.ShapePlans` does for later sizes of a family. Only the
+    solver's lowest and the unmodified step were compared before: HF Mamba at T=48 after an
+    example at T=32 ran 9.86 MiB where the least-memory schedule needed ~3.8 MiB, under a
+    warning calling it the lowest-peak schedule found."""
+    options = [(save_all_schedule(graph), baseline, "the unmodified step"), *offered]
+    if result.schedule is not None and result.simulation is not None:
+        options.append((result.schedule, result.simulation, f"solver {result.solver!r}"))
+    schedule, sim, name = min(options, key=lambda o: (o[1].peak_bytes, o[1].time))
+    return replace(result, schedule=schedule, simulation=sim, status="over_budget",
+                   detail=(result.detail + "; " if result.detail else "") +
+                   f"over budget: {name.replace(' fallback', ' schedule')}, the lowest peak")
 
 
 def least_memory_schedule(graph: RematGraph):
@@ -207,11 +216,15 @@ def plan_graph(
             offered = [*offered, *rescue]
             result = _best_of(result, rescue, budget_bytes)
         if (result.status == "infeasible" or result.schedule is None) and over_budget != "raise":
-            result = _lowest(graph, result)
+            result = _lowest(graph, result, offered, baseline)
+            slower = result.simulation.time / baseline.time if baseline.time > 0 else 1.0
             warnings.warn(
                 f"remat: no schedule fits {format_bytes(budget_bytes)} for this input shape; "
-                f"running the lowest-peak schedule found ({format_bytes(result.simulation.peak_bytes)}"
-                f", the unmodified step needs {format_bytes(baseline.peak_bytes)})",
+                f"running the lowest-peak schedule found, "
+                f"{format_bytes(result.simulation.peak_bytes)}, predicted at {slower:.1f}x the "
+                f"unmodified step's time (the unmodified step needs "
+                f"{format_bytes(baseline.peak_bytes)}). Use a smaller batch or a larger budget "
+                "for this shape.",
                 stacklevel=2,
             )
         elif result.status == "infeasible" or result.schedule is None:

@@ -452,6 +452,32 @@ def test_a_crawling_rescue_is_named_with_the_faster_budget():
     assert f"block checkpointing needs {format_bytes(blocks.peak_bytes)} at 1." in text
 
 
+def test_nothing_fits_runs_the_lowest_peak_of_every_schedule_offered():
+    """NOTE [ Nothing fits: the lowest peak ]: over budget, a later size family ran the
+    solver's lowest or the unmodified step, whichever peaked lower, never the rescues it had
+    just been offered (HF Mamba at a longer sequence: 9.86 MiB where ~3.8 MiB existed), under
+    a warning calling it the lowest-peak schedule found and giving no time."""
+    from remat.budget import Budget, format_bytes
+    from remat.planner import _block_checkpointing, least_memory_schedule, plan_graph
+
+    model, args = make("gpt_manual")
+    graph = remat.rematerialize(model, *args, budget="1TiB", solver="none").graphs[0]
+    lowest = least_memory_schedule(graph)[1]
+    (_, blocks, _), = _block_checkpointing(graph, "none")  # what solver="checkpoint" finds
+    assert lowest.peak_bytes < blocks.peak_bytes
+    budget = remat.liveness.peak_lower_bound(graph) - 1  # nothing can fit
+    with pytest.warns(UserWarning, match="running the lowest-peak schedule found") as caught:
+        plan, schedule = plan_graph(graph, Budget(bytes=budget, text=f"{budget}B"),
+                                    solver="checkpoint", time_limit=TIME_LIMIT,
+                                    over_budget="lowest")
+    assert plan.status == "over_budget"
+    assert plan.predicted_peak_bytes == lowest.peak_bytes < plan.baseline_bytes
+    assert simulate(graph, schedule).peak_bytes == lowest.peak_bytes
+    slower = lowest.time / graph.baseline_time
+    text = str(caught[0].message)
+    assert f"{format_bytes(lowest.peak_bytes)}, predicted at {slower:.1f}x" in text
+
+
 class _Scan(torch.nn.Module):
     """A recurrence over time whose steps read slices and ``unsqueeze`` s: many small views."""
 
