@@ -189,16 +189,10 @@ class RematBackend:
             compiled = simulate(sized.at(measured_at), save_all_schedule(graph)).peak_bytes
             self.shapes.reference = Reference(*self.eager, compiled_bytes=compiled)
         reference = self.shapes.reference
-        run_bytes = self.shapes.run_budget_bytes() if self.lenient and carried is None else None
-        if run_bytes is not None:
-            # Another specialisation of the same module (a size of 1): the run's budget, not a
-            # share of its own smaller peak (NOTE [ Budgets over many sizes ]). A fraction is of
-            # the run's largest step, and a larger specialisation (a loop over a longer
-            # sequence, which dynamo unrolls at each length) is that step now: its own share.
-            if budget.bytes is None and reference is not None:
-                own = budget.resolve(
-                    simulate(sized.at(sizes), save_all_schedule(graph)).peak_bytes, reference)
-                run_bytes = max(run_bytes, own)
+        run_bytes = self.shapes.new_family_budget(simulate(graph, save_all_schedule(graph))
+                                                  .peak_bytes) \
+            if self.lenient and carried is None else None
+        if run_bytes is not None:  # another specialisation of the module
             budget = Budget(bytes=run_bytes, text=f"{budget} of the run = {run_bytes} bytes")
             reference = None  # already the module's bytes
         hit = self._cached(cache_key, graph, budget, reference)
@@ -288,10 +282,11 @@ class RematBackend:
         eager step fits ])."""
         if not (self.lenient and self.measure):
             return False
-        limit = self.shapes.run_budget_bytes() if self.shapes.families else self.budget.bytes
-        if limit is None:
+        if not self.shapes.families and self.budget.bytes is None:
             return False
         unmodified = simulate(graph, save_all_schedule(graph)).peak_bytes
+        limit = self.shapes.new_family_budget(unmodified) if self.shapes.families \
+            else self.budget.bytes
         if unmodified <= limit:
             return False
         log.info("remat: measuring these sizes in their unmodified step would peak at %s, over "
