@@ -507,7 +507,7 @@ class ShapePlans:
         batch that asked and, tighter than the bucket needs, the sizes between them. Only if that
         misses too are the batch's own sizes solved.
         """
-        from .planner import least_memory_schedule
+        from .planner import crawls, least_memory_schedule
 
         graph = family.sized.at(sizes)
         lower = peak_lower_bound(graph)
@@ -541,6 +541,13 @@ class ShapePlans:
             best = self._add(family, fallback, None, "least memory (recompute on demand)",
                              fallback=True)
             best_sim = self.price(family, best, sizes)
+            unmodified = self.price(family, family.entries[1], sizes).time
+            if crawls(best_sim.time, unmodified):  # NOTE [ The fastest at the lowest peak ]
+                solved = self._solve_at(family, sizes, best_sim.peak_bytes, sizes)
+                if solved is not None:
+                    sim = self.price(family, solved, sizes)
+                    if sim.peak_bytes <= best_sim.peak_bytes and sim.time < best_sim.time:
+                        best, best_sim = solved, sim
         fits = self._fits(family, sizes, best_sim.peak_bytes, budget_bytes)
         choice = Choice(best, sizes, best_sim.peak_bytes, best_sim.time, fits,
                         self.entries[best].fallback)

@@ -267,6 +267,36 @@ def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatc
         assert torch.equal(a.grad, b.grad)
 
 
+def test_sizes_nothing_fits_run_the_fastest_schedule_at_the_lowest_peak():
+    """NOTE [ The fastest at the lowest peak ]: a batch whose lower bound is over a byte budget
+    ran the least-memory schedule (5.5x the step's time here) as the lowest peak; the solver,
+    asked for that peak, finds a schedule as low at a fraction of the time."""
+    from remat.planner import least_memory_schedule
+
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    example = torch.randint(96, (2, 160))
+    with remat.track_memory() as eager:
+        copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
+    budget = int(0.5 * eager.peak_bytes)
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
+                             time_limit=TIME_LIMIT, dynamic=True)
+    long = torch.randint(96, (2, 320))
+    with pytest.warns(UserWarning, match=r"no schedule fits the budget .* input_ids\[1\]=320 "
+                                         r"\(no schedule can go below .*predicted at 1\.\dx"):
+        peak = paired_step(ref, rm, long, seed=1)
+    family = rm.shapes.serving
+    graph = family.sized.at((2, 320))
+    crawling = least_memory_schedule(graph)[1]
+    assert crawling.time > 2 * graph.baseline_time  # what ran before
+    choice = rm.shapes.choices[(family.key, (2, 320))]
+    assert not choice.fallback and not choice.fits
+    assert choice.peak_bytes <= crawling.peak_bytes and choice.time < 2 * graph.baseline_time
+    assert peak <= choice.peak_bytes + LOSS_SLACK_BYTES
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_views_and_fresh_batches_share_one_capture():
     """NOTE [ Views reach the capture without their base ]: a batch cut from a longer one, then
     collated ones, then a cut again: one graph structure, no recompilation, eager's gradients."""
