@@ -57,6 +57,7 @@ from .costs import OpCosts
 from .graph import RematGraph
 from .plan import Plan
 from .schedule import Schedule
+from .sized_graph import structure_key
 
 __all__ = ["PlanCache", "costs_key", "default_cache_dir", "graph_key", "plan_cache_for",
            "resolve_cache"]
@@ -71,10 +72,8 @@ def graph_key(graph: RematGraph, budget: Budget, solver: str, options: dict | No
               structure: str | None = None) -> str:
     """A stable hash of ``graph``'s structure and the solve settings (see NOTE [ Plan cache ]).
 
-    ``structure`` is ``remat.sizes.structure_key(graph)[0]`` when the caller has it already.
+    ``structure`` is ``remat.sized_graph.structure_key(graph)[0]`` when the caller has it already.
     """
-    from .sizes import structure_key
-
     h = hashlib.sha256()
     h.update(f"v{_VERSION}|{budget.fraction}|{budget.bytes}|{solver}|{sorted((options or {}).items())}".encode())
     # The structure with size symbols renamed canonically (captures name them independently),
@@ -87,8 +86,6 @@ def graph_key(graph: RematGraph, budget: Budget, solver: str, options: dict | No
 def costs_key(graph: RematGraph, *, structure: str | None = None) -> str:
     """A stable hash of ``graph``'s structure and byte sizes: what its measured op costs
     depend on in the graph (NOTE [ Costs measured once ])."""
-    from .sizes import structure_key
-
     h = hashlib.sha256()
     h.update(f"costs-v{_VERSION}|".encode())
     h.update((structure or structure_key(graph)[0]).encode())

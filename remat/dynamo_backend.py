@@ -33,7 +33,8 @@ from .recurrent import recurrent_kernels
 from .planner import checkpoint_schedule, describe, plan_graph
 from .schedule import Schedule, save_all_schedule, simulate
 from .settings import check_time_limit
-from .sizes import ShapePlans, SizedGraph, structure_key
+from .sized_graph import SizedGraph, structure_key
+from .sizes import ShapePlans
 from .solvers import get_solver
 from .symbolic import hint, input_dims, symbol_values
 

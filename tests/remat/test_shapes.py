@@ -531,7 +531,7 @@ def test_size_expressions_with_pytorchs_integer_functions_evaluate():
     import sympy
     from torch.utils._sympy.functions import CleanDiv, FloorDiv, ModularIndexing, PythonMod
 
-    from remat.sizes import size_evaluator
+    from remat.sized_graph import size_evaluator
 
     s0, s1 = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("s1", integer=True,
                                                                            positive=True)
