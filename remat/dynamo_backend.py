@@ -36,7 +36,7 @@ from .settings import check_time_limit
 from .sized_graph import SizedGraph, structure_key
 from .sizes import ShapePlans
 from .solvers import get_solver
-from .symbolic import hint, input_dims, symbol_values
+from .symbolic import fixed_dims, hint, input_dims, symbol_values
 
 __all__ = ["RematBackend", "backend", "DEFAULT_SOLVER"]
 
@@ -101,6 +101,9 @@ class RematBackend:
         # NOTE [ Static first ] in remat/module.py: the first graph captured with static shapes
         # and its call's tensor shapes, whose measured op costs a dynamic capture takes over
         self.static: tuple[str, list[tuple[int, ...] | None]] | None = None
+        # Set while a capture's family runs the eager step: the backend returns dynamo's graph
+        # to run eagerly (NOTE [ A specialisation the eager step fits ])
+        self.eager_capture = False
         self.__name__ = "remat_backend"  # dynamo reads a backend's name
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -110,14 +113,20 @@ class RematBackend:
         real_inputs = list(example_inputs)
         dims = input_dims(gm.graph, real_inputs, self.current_leaves)
         partition = functools.partial(self._partition, gm=gm, real_inputs=real_inputs,
-                                      request=request, dims=dims, dim_names=self._dim_names(dims))
+                                      request=request, dims=dims, dim_names=self._dim_names(dims),
+                                      fixed=fixed_dims(gm.graph, real_inputs, self.current_leaves))
+        self.eager_capture = False
         with recurrent_kernels():  # NOTE [ Recurrent layers as eager runs them ]
-            return aot_autograd(
+            compiled = aot_autograd(
                 fw_compiler=_compile_graph,
                 bw_compiler=_compile_graph,
                 inference_compiler=_compile_graph,
                 partition_fn=partition,
             )(gm, example_inputs)
+        if self.eager_capture:  # NOTE [ A specialisation the eager step fits ]
+            self.eager_capture = False
+            return gm.forward
+        return compiled
 
     def _dim_names(self, dims: dict[str, tuple[int, int]]) -> dict[str, str]:
         """Size symbol -> ``"input_ids[1]"``: the name of the input leaf and the axis
@@ -141,7 +150,8 @@ class RematBackend:
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                    gm: fx.GraphModule, real_inputs: list[Any], request: int | None = None,
                    dims: dict[str, tuple[int, int]] | None = None,
-                   dim_names: dict[str, str] | None = None, **_: Any
+                   dim_names: dict[str, str] | None = None,
+                   fixed: tuple[tuple[int | None, ...] | None, ...] = (), **_: Any
                    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         split_dropout(joint)
         alias_clones(joint)  # NOTE [ Copies nobody mutates ]
@@ -152,9 +162,10 @@ class RematBackend:
         sizes = tuple(values.get(s, 0) for s in symbols)
         family = self.shapes.families.get(key)
         if family is None:
+            where = ([(dims or {}).get(s) for s in symbols],
+                     [(dim_names or {}).get(s) for s in symbols], fixed)
             entry = self._solve_family(lowered, joint, gm, real_inputs, key, symbols, sizes,
-                                       [(dims or {}).get(s) for s in symbols],
-                                       [(dim_names or {}).get(s) for s in symbols])
+                                       *where)
             if self.shapes.families[key].sized.sizes != sizes:  # solved at the example's sizes
                 entry = self.shapes.to_compile(key, sizes)
         elif request is not None and self.shapes.entries[request].family == key:
@@ -164,8 +175,39 @@ class RematBackend:
         self.last_entry = entry
         return generate_modules(lowered, self.shapes.entries[entry].schedule, joint)
 
+    def _eager_family(self, lowered, key, symbols, sizes, dims, dim_names, fixed
+                      ) -> int | None:
+        """NOTE [ A specialisation the eager step fits ]
+        A graph dynamo specialises inside training (a batch of 1, a loop unrolled at a shorter
+        length) often fits the run's budget unmodified, and the step that captures it, and every
+        later call of those shapes, ran the compiled unmodified step: a tiny GPT-2 at "50%" ran
+        its batches of 1 at 1.21x (the capturing step, which also measured its ops) and then
+        1.11x their eager peak; HF Mamba's T=24 after T=48 at "60%" 1.12x and 1.08x. Where the
+        eager step's price (NOTE [ The unmodified step runs eagerly ]) and the unmodified step
+        both fit the budget, nothing is measured or solved (op times are modelled, for later
+        sizes of the family that may need a solve) and dynamo runs its own graph eagerly: the
+        autograd graph, saved tensors and dropout draws of the user's eager step. Returns the
+        family's eager entry, or ``None`` to solve the graph as usual."""
+        shapes = self.shapes
+        if not (self.lenient and self.measure and shapes.reference is not None
+                and shapes.families):
+            return None
+        graph = lowered.graph.with_times(model_op_times(lowered))
+        unmodified = simulate(graph, save_all_schedule(graph)).peak_bytes
+        budget_bytes = shapes.new_family_budget(unmodified)
+        if max(unmodified, shapes.eager_peak(unmodified)) > budget_bytes:
+            return None
+        plan, schedule = plan_graph(graph, Budget(bytes=budget_bytes,
+                                                  text=f"{self.budget} of the run"),
+                                    solver=self.solver, time_limit=self.time_limit,
+                                    options=self.options)
+        plan = replace(plan, detail="the eager step fits the budget: ops not measured")
+        shapes.add_family(key, SizedGraph(graph, lowered.size_exprs, symbols, sizes), schedule,
+                          plan, dims, dim_names, fixed)
+        return shapes.run_eagerly(key, sizes)
+
     def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims,
-                      dim_names) -> int:
+                      dim_names, fixed) -> int:
         """Profile and solve a graph of a structure not seen before (or load it from the cache).
 
         A dynamic capture of the graph first captured with static shapes takes that graph's
@@ -173,6 +215,11 @@ class RematBackend:
         been captured first (NOTE [ Costs carried to the dynamic capture ] in
         :mod:`remat.carry`)."""
         carried = self._carried(lowered, symbols, sizes, dims)
+        if carried is None:
+            entry = self._eager_family(lowered, key, symbols, sizes, dims, dim_names, fixed)
+            if entry is not None:
+                self.eager_capture = True
+                return entry
         if carried is not None:
             (graph, sizes), alone = carried, False
         else:
@@ -222,7 +269,7 @@ class RematBackend:
             plan = replace(plan, detail=(plan.detail + "; " if plan.detail else "") +
                            "ops measured one at a time: the unmodified step would not fit the "
                            "budget")
-        return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names)
+        return self.shapes.add_family(key, sized, schedule, plan, dims, dim_names, fixed)
 
     def _carried(self, lowered, symbols: tuple[str, ...], sizes: tuple[int, ...],
                  dims: Sequence[tuple[int, int] | None]

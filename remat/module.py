@@ -87,8 +87,8 @@ log = logging.getLogger(__name__)
 # Eager gives the same numbers (nothing is recomputed) and is the memory the user measures today.
 # Its peak cannot be simulated exactly, so it is priced from the compiled unmodified step's: the
 # simulated peak at the batch's sizes times the eager/compiled ratio measured at the example
-# (when eager is the fatter), plus ``_EAGER_HEADROOM`` for how that ratio moves with the sizes
-# (``ShapePlans.run_price``); a batch runs eagerly only where that fits the budget. Without an
+# (where eager is the leaner, only below the example's peak), plus ``_EAGER_HEADROOM`` for how
+# that ratio moves with the sizes (``ShapePlans.eager_peak``); a batch runs eagerly only where that fits the budget. Without an
 # eager measurement (``remat.backend``, or a profiler already running) the unmodified step stays
 # compiled, with its exact simulated peak.
 
@@ -240,11 +240,12 @@ class RematModule(nn.Module):
                          "dimensions that serve every later size (NOTE [ Static first ]): "
                          "seconds, inside this step")
             return None, True
-        sizes = first.sizes_of(leaves)
-        if sizes is None:
-            log.debug("remat: cannot read this call's sizes from its inputs; compiling it anew")
+        found = shapes.family_for(leaves)
+        if found is None:
+            log.debug("remat: no captured graph serves this call's sizes; compiling it anew")
             return None, True
-        choice = shapes.choose(first.key, sizes)
+        family, sizes = found
+        choice = shapes.choose(family.key, sizes)
         return choice.entry, choice.settled
 
     def _run_compiled(self, entry: int | None, leaves: list[Any], args: tuple,

@@ -89,6 +89,9 @@ class Family:
     max_baseline: int = 0  # largest unmodified-step peak seen (NOTE [ Budgets over many sizes ])
     input_dims: tuple[tuple[int, int] | None, ...] = ()  # per symbol: (input leaf, dimension)
     dim_names: tuple[str | None, ...] = ()  # per symbol: ``input_ids[1]`` (NOTE [ Naming sizes ])
+    # per input leaf: its shape with None where symbolic (NOTE [ A graph serves the sizes it did
+    # not fix ] in remat/symbolic.py); () where unknown
+    fixed_dims: tuple[tuple[int | None, ...] | None, ...] = ()
     entries: list[int] = field(default_factory=list)  # indices into ShapePlans.entries
     solved_at: set[tuple[int, ...]] = field(default_factory=set)
     envelope: tuple[int, ...] = ()  # componentwise max of the sizes solved for
@@ -99,9 +102,19 @@ class Family:
 
     def sizes_of(self, leaves: Sequence[object]) -> tuple[int, ...] | None:
         """The symbol values of a call whose flattened inputs are ``leaves`` (``None`` when a
-        symbol is not a dimension of an input tensor)."""
+        symbol is not a dimension of an input tensor, or the call differs in a size the graph
+        fixed: NOTE [ A graph serves the sizes it did not fix ] in remat/symbolic.py)."""
         import torch
 
+        if self.fixed_dims:
+            if len(leaves) != len(self.fixed_dims):
+                return None
+            for leaf, shape in zip(leaves, self.fixed_dims):
+                if shape is None:
+                    continue
+                if not isinstance(leaf, torch.Tensor) or leaf.dim() != len(shape) or any(
+                        f is not None and f != n for f, n in zip(shape, leaf.shape)):
+                    return None
         sizes = []
         for where in self.input_dims:
             if where is None or where[0] >= len(leaves):
@@ -161,17 +174,19 @@ class ShapePlans:
     # ---- building --------------------------------------------------------------------------
     def add_family(self, key: str, sized: SizedGraph, schedule: Schedule, plan: Plan,
                    input_dims: Sequence[tuple[int, int] | None] = (),
-                   dim_names: Sequence[str | None] = ()) -> int:
+                   dim_names: Sequence[str | None] = (),
+                   fixed_dims: Sequence[tuple[int | None, ...] | None] = ()) -> int:
         """Register a freshly solved graph; returns the entry index of its schedule.
 
         ``input_dims`` and ``dim_names`` give, per size symbol, the input dimension it is
-        (``(leaf index, axis)``) and its name (``"input_ids[1]"``), ``None`` where unknown.
+        (``(leaf index, axis)``) and its name (``"input_ids[1]"``), ``None`` where unknown;
+        ``fixed_dims`` per input leaf the sizes the graph fixed (:func:`remat.symbolic.fixed_dims`).
         """
         # Solved against the measured eager step, a family's budget follows its own sizes; a
         # specialisation solved without it (``reference=None``: the run's bytes) keeps those.
         floor = 0 if self.reference is not None and plan.eager_bytes else plan.budget_bytes
         family = Family(key, sized, plan.budget_bytes, floor, plan.baseline_bytes,
-                        tuple(input_dims), tuple(dim_names))
+                        tuple(input_dims), tuple(dim_names), tuple(fixed_dims))
         self.families[key] = family
         family.solved_at.add(sized.sizes)
         first = self._add(family, schedule, plan, f"solved at {self.describe(family, sized.sizes)}",
@@ -193,6 +208,17 @@ class ShapePlans:
         self.entries.append(Entry(family.key, schedule, plan, label, graph, eager, fallback))
         family.entries.append(len(self.entries) - 1)
         return len(self.entries) - 1
+
+    def family_for(self, leaves: Sequence[object]) -> tuple[Family, tuple[int, ...]] | None:
+        """The first family captured with dynamic dimensions that serves a call with these
+        inputs, and its sizes there; ``None`` if none does (NOTE [ A graph serves the sizes it
+        did not fix ] in remat/symbolic.py)."""
+        for family in self.families.values():
+            if family.sized.symbols:
+                sizes = family.sizes_of(leaves)
+                if sizes is not None:
+                    return family, sizes
+        return None
 
     @property
     def serving(self) -> Family | None:
@@ -230,11 +256,35 @@ class ShapePlans:
         """:meth:`price` of the step as it runs: the eager step's peak is the simulated
         unmodified peak scaled as NOTE [ The unmodified step runs eagerly ] says."""
         sim = self.price(family, entry, sizes)
-        ref = self.reference
-        if not self.entries[entry].eager or ref is None:
+        if not self.entries[entry].eager or self.reference is None:
             return sim
-        scale = max(1.0, ref.eager_bytes / max(ref.compiled_bytes, 1)) * (1 + _EAGER_HEADROOM)
-        return replace(sim, peak_bytes=math.ceil(sim.peak_bytes * scale))
+        return replace(sim, peak_bytes=self.eager_peak(sim.peak_bytes))
+
+    def eager_peak(self, unmodified_bytes: int) -> int:
+        """The eager step's peak priced from a compiled unmodified step's, ``unmodified_bytes``
+        (NOTE [ The unmodified step runs eagerly ]), with :attr:`reference`.
+
+        Where eager was the leaner at the example, the ratio applies below the example's peak
+        only: what makes a compiled step fatter (a buffer it keeps) may not grow with the
+        batch, so a smaller batch's ratio is nearer 1 than the example's from below but a
+        larger one's could be above it; the headroom covers the rest."""
+        ref = self.reference
+        ratio = ref.eager_bytes / max(ref.compiled_bytes, 1)
+        if unmodified_bytes > ref.compiled_bytes:
+            ratio = max(1.0, ratio)
+        return math.ceil(unmodified_bytes * ratio * (1 + _EAGER_HEADROOM))
+
+    def run_eagerly(self, key: str, sizes: Sequence[int]) -> int:
+        """Make the eager step the choice of a family just added for the batch of ``sizes`` it
+        was captured at (NOTE [ A specialisation the eager step fits ] in
+        remat/dynamo_backend.py); returns its entry."""
+        family = self.families[key]
+        sizes = tuple(int(s) for s in sizes)
+        entry = family.entries[1]
+        sim = self.run_price(family, entry, sizes)
+        self.choices[(key, sizes)] = Choice(entry, sizes, sim.peak_bytes, sim.time, True)
+        self.in_use.add(entry)
+        return entry
 
     def baseline_at(self, family: Family, sizes: Sequence[int]) -> int:
         """Peak of the unmodified step at ``sizes``."""
