@@ -100,10 +100,12 @@ class Family:
         if not self.envelope:
             self.envelope = tuple(self.sized.sizes)
 
-    def sizes_of(self, leaves: Sequence[object]) -> tuple[int, ...] | None:
+    def sizes_of(self, leaves: Sequence[object], *, strict: bool = True
+                 ) -> tuple[int, ...] | None:
         """The symbol values of a call whose flattened inputs are ``leaves`` (``None`` when a
         symbol is not a dimension of an input tensor, or the call differs in a size the graph
-        fixed: NOTE [ A graph serves the sizes it did not fix ] in remat/symbolic.py)."""
+        fixed; not ``strict``: in a size it fixed at 1. NOTE [ A graph serves the sizes it did
+        not fix ] in remat/symbolic.py)."""
         import torch
 
         if self.fixed_dims:
@@ -113,7 +115,8 @@ class Family:
                 if shape is None:
                     continue
                 if not isinstance(leaf, torch.Tensor) or leaf.dim() != len(shape) or any(
-                        f is not None and f != n for f, n in zip(shape, leaf.shape)):
+                        f is not None and f != n and (strict or f == 1)
+                        for f, n in zip(shape, leaf.shape)):
                     return None
         sizes = []
         for where in self.input_dims:
@@ -211,11 +214,13 @@ class ShapePlans:
 
     def family_for(self, leaves: Sequence[object]) -> tuple[Family, tuple[int, ...]] | None:
         """The first family captured with dynamic dimensions that serves a call with these
-        inputs, and its sizes there; ``None`` if none does (NOTE [ A graph serves the sizes it
-        did not fix ] in remat/symbolic.py)."""
-        for family in self.families.values():
-            if family.sized.symbols:
-                sizes = family.sizes_of(leaves)
+        inputs, and its sizes there: one whose every fixed size matches, else one whose sizes
+        fixed at 1 do; ``None`` if none does (NOTE [ A graph serves the sizes it did not fix ]
+        in remat/symbolic.py)."""
+        dynamic = [f for f in self.families.values() if f.sized.symbols]
+        for strict in (True, False):
+            for family in dynamic:
+                sizes = family.sizes_of(leaves, strict=strict)
                 if sizes is not None:
                     return family, sizes
         return None

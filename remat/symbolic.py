@@ -100,8 +100,15 @@ def fixed_dims(graph: "torch.fx.Graph", example_inputs, leaves
     other value of the dimensions dynamo specialised: a batch of 1 is traced as a graph of its
     own, whose batch dimension is the constant 1. Its schedules were still chosen for batches of
     8, priced as if of 1: the eager step of a tiny GPT-2 ran at 1.49x the example's eager peak
-    at "50%". A call is served by a family only where every fixed size matches
-    (:meth:`remat.sizes.Family.sizes_of`)."""
+    at "50%". A call is served by a family whose fixed sizes all match, else by one whose
+    sizes fixed at 1 match (:meth:`remat.sizes.ShapePlans.family_for`), else captured. A size
+    fixed at another value is dynamo keeping a dimension static that it could have made
+    dynamic: a stamp an earlier ``torch.compile`` left on the user's input tensor (NOTE [ The
+    user's tensors leave as they came ] in remat/calls.py) made a GPT's targets static in
+    every capture of ``benchmarks.remat_shapes``, and requiring those to match captured and
+    solved every one of its 24 shapes (9 solves before). Such a graph still serves the other
+    sizes: a compiled choice is guarded by dynamo, and an eager one is priced on the graph,
+    off only by what depends on that dimension alone (the targets, not the logits)."""
     position: dict[int, int] = {}
     for k, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
