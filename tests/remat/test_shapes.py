@@ -226,20 +226,27 @@ def test_a_new_size_family_over_the_budget_is_measured_op_by_op_not_run_unmodifi
     assert rm.plans[-1].predicted_peak_bytes <= budget
 
 
+def gpt2_at_bytes(fraction: float):
+    """A tiny GPT-2, its copy rematerialized (dynamic sizes) on a 2 x 160 example at a byte
+    budget of ``fraction`` of that example's measured eager step: ``(ref, model, rm, budget)``."""
+    ref = tiny_gpt2()
+    model = copy.deepcopy(ref)
+    example = torch.randint(96, (2, 160))
+    with remat.track_memory() as eager:
+        copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
+    budget = int(fraction * eager.peak_bytes)
+    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
+                             time_limit=TIME_LIMIT, dynamic=True)
+    return ref, model, rm, budget
+
+
 def test_a_least_memory_fallback_is_named_with_its_time_and_revisited(monkeypatch):
     """NOTE [ An over-budget choice is revisited ]: a batch only the least-memory schedule
     fits (its solves fail here by design) is warned about with its predicted slowdown, and runs
     the schedule solved later for a longer batch once there is one."""
     import remat.planner
 
-    ref = tiny_gpt2()
-    model = copy.deepcopy(ref)
-    example = torch.randint(96, (2, 160))
-    with remat.track_memory() as eager:
-        copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
-    budget = int(0.95 * eager.peak_bytes)
-    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
-                             time_limit=TIME_LIMIT, dynamic=True)
+    ref, model, rm, budget = gpt2_at_bytes(0.95)
     real = remat.planner.plan_graph
 
     def failing(graph, b, **kw):
@@ -273,14 +280,7 @@ def test_sizes_nothing_fits_run_the_fastest_schedule_at_the_lowest_peak():
     asked for that peak, finds a schedule as low at a fraction of the time."""
     from remat.planner import least_memory_schedule
 
-    ref = tiny_gpt2()
-    model = copy.deepcopy(ref)
-    example = torch.randint(96, (2, 160))
-    with remat.track_memory() as eager:
-        copy.deepcopy(ref)(input_ids=example, labels=example).loss.backward()
-    budget = int(0.5 * eager.peak_bytes)
-    rm = remat.rematerialize(model, input_ids=example, labels=example, budget=f"{budget}B",
-                             time_limit=TIME_LIMIT, dynamic=True)
+    ref, model, rm, budget = gpt2_at_bytes(0.5)
     long = torch.randint(96, (2, 320))
     with pytest.warns(UserWarning, match=r"no schedule fits the budget .* input_ids\[1\]=320 "
                                          r"\(no schedule can go below .*predicted at 1\.\dx"):
