@@ -208,21 +208,21 @@ class RematBackend:
 
     def _solve_family(self, lowered, joint, gm, real_inputs, key, symbols, sizes, dims,
                       dim_names, fixed) -> int:
-        """Profile and solve a graph of a structure not seen before (or load it from the cache).
+        """Profile and solve a graph of a structure not seen before (or load it from the cache),
+        unless the eager step serves it (:meth:`_eager_family`).
 
         A dynamic capture of the graph first captured with static shapes takes that graph's
         costs and, op for op, its schedule, else is solved at the example's sizes, as if it had
         been captured first (NOTE [ Costs carried to the dynamic capture ] in
         :mod:`remat.carry`)."""
         carried = self._carried(lowered, symbols, sizes, dims)
-        if carried is None:
+        if carried is not None:
+            (graph, sizes), alone = carried, False
+        else:
             entry = self._eager_family(lowered, key, symbols, sizes, dims, dim_names, fixed)
             if entry is not None:
                 self.eager_capture = True
                 return entry
-        if carried is not None:
-            (graph, sizes), alone = carried, False
-        else:
             graph, alone = self._costed(lowered, joint, gm, real_inputs, key)
             if not symbols and not self.shapes.families and self.current_leaves:
                 self.static = (key, [tuple(x.shape) if isinstance(x, torch.Tensor) else None
