@@ -88,9 +88,9 @@ log = logging.getLogger(__name__)
 # Its peak cannot be simulated exactly, so it is priced from the compiled unmodified step's: the
 # simulated peak at the batch's sizes times the eager/compiled ratio measured at the example
 # (where eager is the leaner, only below the example's peak), plus ``_EAGER_HEADROOM`` for how
-# that ratio moves with the sizes (``ShapePlans.eager_peak``); a batch runs eagerly only where that fits the budget. Without an
-# eager measurement (``remat.backend``, or a profiler already running) the unmodified step stays
-# compiled, with its exact simulated peak.
+# that ratio moves with the sizes (``ShapePlans.eager_peak``); a batch runs eagerly only where
+# that fits the budget. Without an eager measurement (``remat.backend``, or a profiler already
+# running) the unmodified step stays compiled, with its exact simulated peak.
 
 
 class RematModule(nn.Module):

@@ -98,8 +98,8 @@ def _lowest(graph: RematGraph, result, offered, baseline):
                    f"over budget: {name.replace(' fallback', ' schedule')}, the lowest peak")
 
 
-def faster_at_that_peak(graph: RematGraph, schedule: Schedule, sim, baseline_time: float, *,
-                        solver: str, time_limit: float, options: dict | None = None):
+def faster_at_that_peak(graph: RematGraph, sim, baseline_time: float, *, solver: str,
+                        time_limit: float, options: dict | None = None):
     """NOTE [ The fastest at the lowest peak ]
     Where nothing fits and the lowest peak is a rescue that crawls (the least-memory schedule
     recomputes every value before each read), the solver is asked once more, for that peak:
@@ -107,7 +107,8 @@ def faster_at_that_peak(graph: RematGraph, schedule: Schedule, sim, baseline_tim
     they often do, at a fraction of the time. HF Mamba at T=48 under "3.7MiB" (bound 3.74 MiB):
     the least-memory schedule peaks at 5.36 MiB at 41x the step's time; the hierarchy at that
     peak finds 5.35 MiB at 1.63x, in one more solve of ~8 s. Returns the faster schedule and
-    its simulation, or ``None`` where the solver found none at that peak or none faster."""
+    its simulation, or ``None`` where the solver found none at that peak or none faster
+    (``sim`` is the lowest schedule's simulation)."""
     if solver == "none" or not crawls(sim.time, baseline_time):
         return None
     again = get_solver(solver).solve(Problem(graph, sim.peak_bytes, time_limit=time_limit,
@@ -246,9 +247,8 @@ def plan_graph(
             result = _best_of(result, rescue, budget_bytes)
         if (result.status == "infeasible" or result.schedule is None) and over_budget != "raise":
             result = _lowest(graph, result, offered, baseline)
-            faster = faster_at_that_peak(graph, result.schedule, result.simulation,
-                                         baseline.time, solver=solver, time_limit=time_limit,
-                                         options=options)
+            faster = faster_at_that_peak(graph, result.simulation, baseline.time,
+                                         solver=solver, time_limit=time_limit, options=options)
             if faster is not None:
                 result = replace(result, schedule=faster[0], simulation=faster[1],
                                  detail=result.detail + f"; solver {solver!r} at that peak: "

@@ -470,11 +470,11 @@ class ShapePlans:
         # Nothing fits: the lowest peak we have, or the least-memory fallback if it is lower.
         fallback, sim_fb = least_memory_schedule(graph)
         best_sim, best = min(priced, key=lambda t: (t[0].peak_bytes, t[0].time))
+        unmodified = self.price(family, family.entries[1], sizes).time
         if sim_fb.peak_bytes < best_sim.peak_bytes:
             best = self._add(family, fallback, None, "least memory (recompute on demand)",
                              fallback=True)
             best_sim = self.price(family, best, sizes)
-            unmodified = self.price(family, family.entries[1], sizes).time
             if crawls(best_sim.time, unmodified):  # NOTE [ The fastest at the lowest peak ]
                 solved = self._solve_at(family, sizes, best_sim.peak_bytes, sizes)
                 if solved is not None:
@@ -487,7 +487,6 @@ class ShapePlans:
         where = self.describe(family, sizes)
         if not choice.settled and where not in self._warned:
             self._warned.add(where)
-            unmodified = self.run_price(family, family.entries[1], sizes).time
             slower = best_sim.time / unmodified if unmodified > 0 else float("nan")
             words = self._budget_words(family, sizes, budget_bytes)
             why = (f"no solved schedule fits the budget {words} for sizes {where}" if fits else
