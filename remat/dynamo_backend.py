@@ -27,6 +27,7 @@ from .carry import carry_costs, carry_schedule
 from .costs import machine_tag, measure_op_times, model_op_times
 from .graph import RematGraph
 from .lowering import lower_joint_graph
+from .experts import expert_grads_in_order
 from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
 from .recurrent import recurrent_kernels
@@ -156,6 +157,7 @@ class RematBackend:
         split_dropout(joint)
         alias_clones(joint)  # NOTE [ Copies nobody mutates ]
         bind_sizes(joint)
+        expert_grads_in_order(joint)  # NOTE [ Each read's gradient in eager's order ]
         lowered = lower_joint_graph(joint, num_fwd_outputs=num_fwd_outputs)
         key, symbols = structure_key(lowered.graph, lowered.size_exprs)
         values = symbol_values(joint.graph)

@@ -66,24 +66,28 @@ def capture_config(leaves: list[Any]):
                                       allow_rnn=True)
 
 
-def switched_algorithms(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """The (submodule, attribute) pairs of ``module`` that :func:`eager_algorithms` sets."""
-    return [(m, name) for m in module.modules() for name, value in _EAGER_VALUES.items()
-            if name in vars(m) and vars(m)[name] != value]
+def switched_algorithms(module: nn.Module) -> list[tuple[Any, str, Any]]:
+    """The ``(object, attribute, value)`` triples :func:`eager_algorithms` sets: eager's
+    algorithms (NOTE [ The algorithm eager runs ]) and Hugging Face's eager expert loops as one
+    op (NOTE [ An expert loop as one op ] in :mod:`remat.experts`)."""
+    from .experts import one_op_switches
+
+    return [(m, name, value) for m in module.modules() for name, value in _EAGER_VALUES.items()
+            if name in vars(m) and vars(m)[name] != value] + one_op_switches(module)
 
 
 @contextlib.contextmanager
-def eager_algorithms(switched: list[tuple[nn.Module, str]]) -> Iterator[None]:
+def eager_algorithms(switched: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """NOTE [ The algorithm eager runs ]: ``switched`` (see :func:`switched_algorithms`) at
-    eager's values inside the block, as they were after it."""
-    before = [getattr(m, name) for m, name in switched]
+    their values inside the block, as they were after it."""
+    before = [getattr(obj, name) for obj, name, _ in switched]
     try:
-        for m, name in switched:
-            setattr(m, name, _EAGER_VALUES[name])
+        for obj, name, value in switched:
+            setattr(obj, name, value)
         yield
     finally:
-        for (m, name), value in zip(switched, before):
-            setattr(m, name, value)
+        for (obj, name, _), value in zip(switched, before):
+            setattr(obj, name, value)
 
 
 def _step(module: nn.Module, args: tuple, kwargs: dict) -> Any:
