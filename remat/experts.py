@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["ONE_OP", "expert_grads_in_order", "expert_loop", "expert_loop_backward",
-           "one_op_switches"]
+           "one_op_note", "one_op_switches"]
 
 ONE_OP = "hiremate_one_op"  # the experts implementation name a switched config reads
 
@@ -277,3 +277,13 @@ def _backward(ctx, grad: Tensor):
 
 
 expert_loop.register_autograd(_backward, setup_context=_save)
+
+
+def one_op_note(signatures: list[str]) -> str:
+    """The plan's note saying which layers ran as one op, from its ops' signatures ("" if
+    none): what the user learns in ``plan.summary()`` about code the capture did not trace."""
+    layers = sum(sig.startswith("hiremate.expert_loop.default(") for sig in signatures)
+    if not layers:
+        return ""
+    return (f"{layers} experts layer{'s' if layers > 1 else ''} ran as one op each: the "
+            "layer's eager loop, run again in its backward (NOTE [ An expert loop as one op ])")

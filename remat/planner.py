@@ -9,6 +9,7 @@ from typing import Sequence
 
 from .budget import Budget, Reference, format_bytes
 from .errors import InfeasibleBudgetError, internal_assert
+from .experts import one_op_note
 from .graph import RematGraph
 from .liveness import peak_lower_bound
 from .plan import Plan
@@ -159,6 +160,9 @@ def describe(graph: RematGraph, schedule: Schedule, sim, baseline, *, budget_byt
     """The :class:`Plan` of ``schedule`` on ``graph``: every number from the simulations given."""
     base_time = baseline.time or 1e-12
     step, outside = reference.at(baseline.peak_bytes) if reference is not None else (0, 0)
+    one_op = one_op_note([op.signature for op in graph.ops])
+    if one_op and one_op not in detail:
+        detail = f"{detail}; {one_op}" if detail else one_op
     return Plan(
         baseline_bytes=baseline.peak_bytes,
         budget_bytes=budget_bytes,

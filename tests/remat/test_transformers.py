@@ -117,6 +117,7 @@ def test_eager_expert_loop_runs_as_one_op_as_eager_runs_it(build):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(256, (8, 64), generator=g)
     rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="50%")
+    assert "4 experts layers ran as one op each" in rm.plan.summary()
     for shape in [(8, 64), (8, 64), (4, 100)]:  # new tokens route anew; then a new length
         ids = torch.randint(256, shape, generator=g)
         ref.zero_grad(set_to_none=True)
@@ -137,16 +138,17 @@ def test_eager_expert_loop_runs_as_one_op_as_eager_runs_it(build):
 def test_hf_mamba_is_captured_as_eager_runs_it():
     """NOTE [ The algorithm eager runs ]: HF Mamba's mixers run ``associative_scan`` when they
     see dynamo (``use_associative_scan``, on by default) and a sequential loop in eager; the
-    captured step is eager's loop: bitwise gradients, within the budget, and the user's flag is
-    left as it was."""
+    captured step is eager's loop: bitwise gradients, within 50% (issue 34; with 2 layers the
+    lowest schedule found is 59% of eager's step at T=32, where the scan's own gradients fill
+    most of the budget), and the user's flag is left as it was."""
     cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
-                                   num_hidden_layers=2, use_cache=False)
+                                   num_hidden_layers=3, use_cache=False)
     assert cfg.use_associative_scan
     torch.manual_seed(0)
     ref = transformers.MambaForCausalLM(cfg)
-    model = assert_bitwise_within("60%", ref, batch=4, seq=32)
+    model = assert_bitwise_within("50%", ref, batch=4, seq=16)
     mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
-    assert len(mixers) == 2 and all(m.use_associative_scan is True for m in mixers)
+    assert len(mixers) == 3 and all(m.use_associative_scan is True for m in mixers)
 
 
 def test_a_longer_sequence_than_the_example_gets_its_own_share():
