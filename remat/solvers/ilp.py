@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import pulp
 
+from ..errors import SolverError
 from ..graph import RematGraph, ValueKind
 from ..liveness import liveness
 from ..schedule import Schedule, forward_ops_needed, remake_views, save_all_schedule, tidy
@@ -236,11 +237,12 @@ class ILPSolver:
         model = _Model(graph, problem.budget_bytes, problem.options.get("save_budget"))
         limit = int(problem.options.get("max_variables", _DEFAULT_MAX_VARIABLES))
         if model.num_variables > limit:
-            raise ValueError(
-                f"solver='ilp': this graph needs {model.num_variables} binary variables, more "
-                f"than max_variables={limit}; use solver='hierarchical' (built for large graphs) "
-                "or raise max_variables"
-            )
+            # A limit the user can act on, not a crash: raised as such, not as "a bug"
+            raise SolverError(
+                f"this graph needs {model.num_variables} binary variables for the whole-graph "
+                f"ILP, more than max_variables={limit}; use solver='hierarchical' (built for "
+                "large graphs) or raise options={'max_variables': ...}",
+                solver="ilp", status="too_large")
         if not model.stages:  # backward reads no activation: nothing to decide
             return finish(self.name, problem, save_all_schedule(graph), started, proven=True)
         prob = model.build()

@@ -144,6 +144,19 @@ def test_a_solver_crash_is_a_solver_error_not_a_capture_error(monkeypatch):
     assert "If the model runs eagerly" not in str(info.value)
 
 
+def test_a_graph_too_large_for_the_whole_graph_ilp_is_a_limit_not_a_bug():
+    """HF Mamba with ``solver="ilp"`` (112,071 binaries) was reported as a crash: "This is a
+    bug in hiremate; please report it". It is a limit with two fixes, and says them."""
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64),
+                                                                  torch.nn.Tanh())])
+    with pytest.raises(remat.SolverError) as info:
+        remat.rematerialize(model, torch.randn(256, 64), budget="95%", solver="ilp",
+                            options={"max_variables": 10})
+    text = str(info.value)
+    assert info.value.status == "too_large" and "max_variables=10" in text
+    assert "solver='hierarchical'" in text and "a bug in hiremate" not in text
+
+
 def test_a_data_dependent_user_error_is_classed_data_dependent():
     # What dynamo raised on Mixtral's expert routing (a UserError, not an Unsupported).
     from torch._dynamo.exc import UserError, UserErrorType
