@@ -25,9 +25,9 @@ from .errors import RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
 from .carry import carry_costs, carry_schedule
 from .costs import machine_tag, measure_op_times, model_op_times
+from .experts import expert_grads_in_order
 from .graph import RematGraph
 from .lowering import lower_joint_graph
-from .experts import expert_grads_in_order
 from .passes import alias_clones, bind_sizes, split_dropout
 from .plan import Plan
 from .recurrent import recurrent_kernels

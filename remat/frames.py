@@ -13,6 +13,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .experts import one_op_switches
+
 __all__ = ["RECOMPILE_LIMIT", "capture_config", "eager_algorithms", "forget_backends", "own_step",
            "switched_algorithms"]
 
@@ -70,8 +72,6 @@ def switched_algorithms(module: nn.Module) -> list[tuple[Any, str, Any]]:
     """The ``(object, attribute, value)`` triples :func:`eager_algorithms` sets: eager's
     algorithms (NOTE [ The algorithm eager runs ]) and Hugging Face's eager expert loops as one
     op (NOTE [ An expert loop as one op ] in :mod:`remat.experts`)."""
-    from .experts import one_op_switches
-
     return [(m, name, value) for m in module.modules() for name, value in _EAGER_VALUES.items()
             if name in vars(m) and vars(m)[name] != value] + one_op_switches(module)
 
