@@ -13,12 +13,12 @@ So while a compiled step runs, such a layer's config names :data:`ONE_OP` instea
 ``"eager"`` (NOTE [ The algorithm eager runs ] in :mod:`remat.frames`: at every call, restored
 after it), and that implementation calls :func:`expert_loop`, a custom op whose shapes do not
 depend on the routing (its output is shaped like its input) and whose kernel runs the layer's
-own eager loop on the real tensors, with nothing recorded. Its backward, :func:`expert_loop_backward`,
-runs that loop again with autograd on and returns the gradients of the layer's input,
-its routing weights and its parameters: the same autograd graph eager builds, differentiated in
-the same order, each read's gradient added where eager adds it (NOTE [ Each read's gradient in
-eager's order ]), so the gradients are eager's, bitwise (Mixtral, Qwen2-MoE with its shared
-expert: ``tests/remat/test_transformers.py``). The loop's activations are never kept
+own eager loop on the real tensors, with nothing recorded. Its backward,
+:func:`expert_loop_backward`, runs that loop again with autograd on and returns the gradients
+of the layer's input, its routing weights and its parameters: the same autograd graph eager
+builds, differentiated in the same order, each read's gradient added where eager adds it
+(NOTE [ Each read's gradient in eager's order ]), so the gradients are eager's, bitwise
+(Mixtral, Qwen2-MoE with its shared expert: ``tests/remat/test_transformers.py``). The loop's activations are never kept
 between forward and backward (only the op's inputs are: ``hidden_states``, the routing and the
 parameters); they are the backward op's scratch memory, which profiling measures (NOTE
 [ Measuring op times ] in :mod:`remat.costs`), and the price is one more forward of the experts
@@ -165,7 +165,8 @@ def expert_loop_backward(handle: int, grad: Tensor, hidden_states: Tensor, top_k
     order (NOTE [ Each read's gradient in eager's order ])."""
     with _autograd_inside_op(), torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (hidden_states, top_k_weights, *params)]
-        sums = {id(leaves[0]): _OrderedSum(grad_h_before), id(leaves[1]): _OrderedSum(grad_w_before)}
+        sums = {id(leaves[0]): _OrderedSum(grad_h_before),
+                id(leaves[1]): _OrderedSum(grad_w_before)}
         reads = _ReadsOneByOne(sums)
         with reads:
             out = _run_eager(handle, leaves[2:], leaves[0], top_k_index, leaves[1])
