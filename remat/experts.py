@@ -9,23 +9,24 @@ trace, so the capture failed (``CaptureError``, issue 34). ``transformers``' own
 and ``batched_mm`` implementations capture, but they add in another order: a 2-layer Mixtral's
 gradients were 5e-10 (``grouped_mm``) and 5e-9 (``batched_mm``) from the eager loop's.
 
-So while a compiled step runs, such a layer's config names :data:`ONE_OP` instead of
-``"eager"`` (NOTE [ The algorithm eager runs ] in :mod:`remat.frames`: at every call, restored
-after it), and that implementation calls :func:`expert_loop`, a custom op whose shapes do not
-depend on the routing (its output is shaped like its input) and whose kernel runs the layer's
-own eager loop on the real tensors, with nothing recorded. Its backward,
-:func:`expert_loop_backward`, runs that loop again with autograd on and returns the gradients
-of the layer's input, its routing weights and its parameters: the same autograd graph eager
-builds, differentiated in the same order, each read's gradient added where eager adds it
+So while a compiled step runs, such a layer's config names :data:`ONE_OP` instead of ``"eager"``
+(NOTE [ The algorithm eager runs ] in :mod:`remat.frames`: at every call, restored after it),
+and that implementation calls :func:`expert_loop`, a custom op whose shapes do not depend on the
+routing (its output is shaped like its input) and whose kernel runs the layer's own eager loop
+on the real tensors, with nothing recorded. Its backward, :func:`expert_loop_backward`, runs
+that loop again with autograd on and returns the gradients of the layer's input, its routing
+weights and its parameters: the same autograd graph eager builds, differentiated in the same
+order, each read's gradient added where eager adds it
 (NOTE [ Each read's gradient in eager's order ]), so the gradients are eager's, bitwise
-(Mixtral, Qwen2-MoE with its shared expert: ``tests/remat/test_transformers.py``). The loop's activations are never kept
-between forward and backward (only the op's inputs are: ``hidden_states``, the routing and the
-parameters); they are the backward op's scratch memory, which profiling measures (NOTE
-[ Measuring op times ] in :mod:`remat.costs`), and the price is one more forward of the experts
-in backward, as per-block checkpointing would pay (a 4-layer Mixtral at "50%": 0.467 of eager's
-step peak at 1.25-1.42x its time, tiny layers). One layer's loop with its gradients is that
-op's scratch and so the floor of the step's peak: a 2-layer Mixtral reaches 51%, not 50%. The
-planner sees one op per layer and plans the rest of the step around it.
+(Mixtral, Qwen2-MoE with its shared expert: ``tests/remat/test_transformers.py``). The loop's
+activations are never kept between forward and backward (only the op's inputs are:
+``hidden_states``, the routing and the parameters); they are the backward op's scratch memory,
+which profiling measures (NOTE [ Measuring op times ] in :mod:`remat.costs`), and the price is
+one more forward of the experts in backward, as per-block checkpointing would pay (a 4-layer
+Mixtral at "50%": 0.467 of eager's step peak at 1.25-1.42x its time, tiny layers). One layer's
+loop with its gradients is that op's scratch and so the floor of the step's peak: a 2-layer
+Mixtral reaches 51%, not 50%. The planner sees one op per layer and plans the rest of the step
+around it.
 
 A layer is named in the graph by a handle (an ``int`` kept on the module, handed out in the
 order layers are first seen in a process, so a script's graphs, and the plans cached for them,
