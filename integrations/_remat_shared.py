@@ -54,6 +54,7 @@ from remat import (
     format_bytes,
     track_memory,
 )
+from remat.example_call import OWN_OPTION_WARNING
 
 __all__ = [
     "Collectives",
@@ -291,12 +292,15 @@ def _rematerialize(target: Target, args: tuple, kwargs: dict, settings: RematSet
                    measured: tuple[int, int] | None = None) -> None:
     t0 = time.perf_counter()
     eager, step = measured if measured is not None else (None, None)
-    rm = remat.rematerialize(
-        target.module, *args, budget=settings.budget, solver=settings.solver,
-        time_limit=settings.time_limit, cache=cache, eager_peak_bytes=eager,
-        # NOTE [ Options that share a name with the model's ]: the call's own keywords apart
-        step_peak_bytes=step, example_kwargs=kwargs,
-    )
+    with warnings.catch_warnings():  # the options are the integration's, not the user's
+        # NOTE [ Options that share a name with the model's ]: the recorded call is the whole
+        # example call; Mixtral's forward takes ``cache`` and warned on every fit
+        warnings.filterwarnings("ignore", message=OWN_OPTION_WARNING, category=UserWarning)
+        rm = remat.rematerialize(
+            target.module, *args, budget=settings.budget, solver=settings.solver,
+            time_limit=settings.time_limit, cache=cache, eager_peak_bytes=eager,
+            step_peak_bytes=step, example_kwargs=kwargs,
+        )
     result.capture_time_s = time.perf_counter() - t0
     result.remat_module = rm
     result.plan = rm.plan
