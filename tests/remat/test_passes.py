@@ -112,3 +112,24 @@ def test_dropout_split_draws_in_eagers_memory_order(layout):
     got, got_mask = gm(x)
     assert torch.equal(got_mask, want_mask) and torch.equal(got, want)
     assert got.stride() == want.stride()
+
+
+def test_a_module_held_in_a_global_is_placed_under_its_caller():
+    """NOTE [ Modules held in globals ]: Hugging Face's kernel-hub functions are module
+    instances held in globals, one for every layer; their ops belong to the layer that called
+    them, not to one path shared by every layer."""
+    from torch import fx
+
+    from remat.lowering import _node_module
+
+    node = fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {
+        "a": ("L['self']", object), "b": ("L['self'].backbone.layers[1]", object),
+        "c": ("L['self'].backbone.layers[1].mixer", object),
+        "d": ("G['__import_transformers_dot_models_dot_mamba'].mamba_selective_scan", object),
+        "e": ("G['__import_transformers_dot_models_dot_mamba'].inner", object)}
+    assert _node_module(node) == "backbone.layers.1.mixer.mamba_selective_scan.inner"
+    node.meta["nn_module_stack"] = {"a": ("G['mod'].fn", object)}  # called at the top: as is
+    assert _node_module(node) == "G.mod.fn"
+    node.meta["nn_module_stack"] = {"a": ("L['self'].layers[0]", object)}
+    assert _node_module(node) == "layers.0"
