@@ -16,6 +16,7 @@ from .plan import Plan
 from .schedule import (Schedule, on_demand_schedule, remake_views, save_all_schedule, simulate,
                        tidy)
 from .solvers import Problem, get_solver
+from .solvers.baselines import least_memory_schedule
 
 __all__ = ["checkpoint_schedule", "crawls", "describe", "faster_at_that_peak",
            "least_memory_schedule", "plan_graph"]
@@ -119,14 +120,6 @@ def faster_at_that_peak(graph: RematGraph, sim, baseline_time: float, *, solver:
             found.peak_bytes > sim.peak_bytes or found.time >= sim.time:
         return None
     return again.schedule, found
-
-
-def least_memory_schedule(graph: RematGraph):
-    """The schedule that recomputes every value right before each read (keeping none), and
-    its simulation: slow, but a real schedule near the lowest peak."""
-    schedule = tidy(graph, remake_views(graph, on_demand_schedule(graph, frozenset(),
-                                                                  keep_recomputed=False)))
-    return schedule, simulate(graph, schedule)
 
 
 def checkpoint_schedule(graph: RematGraph, tags: Sequence[object]) -> Schedule | None:

@@ -24,8 +24,9 @@ NOTE [ Hierarchical solving ]
 The solve runs a fixed list of hierarchies (two region rules; for small graphs a second, fine
 top level, NOTE [ Fine and coarse top levels ]; keep/recompute-only options), and for graphs
 whose whole ILP is small, that ILP where no hierarchy fits (NOTE [ The exact ILP beside the
-hierarchy ]); block ILPs run in the background (NOTE [ Block ILPs in the background ]). The
-fastest schedule that fits wins. Every part is bounded by work, so an uncut
+hierarchy ]); block ILPs run in the background (NOTE [ Block ILPs in the background ]). Where
+none of those fits, the least-memory schedules (NOTE [ Least memory within blocks ]) are
+polished as candidates. The fastest schedule that fits wins. Every part is bounded by work, so an uncut
 solve's schedule does not depend on the machine's load (NOTE [ Work bounds and the time cap ]).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..graph import RematGraph
 from ..schedule import save_all_schedule
 from ..segments import REGION_RULES, chain_structure
 from ..subgraph import extract_subgraph
-from .baselines import CheckpointSolver
+from .baselines import CheckpointSolver, least_memory_schedules
 from .base import Problem, SolveResult, describe_cuts, finish, time_cut, watch_time_cuts
 from .blocks import BlockContext, SharedCaches
 from .chain import solve_chain
@@ -143,6 +144,12 @@ class HierarchicalSolver:
                 found = self._candidates(problem, runs, tops, exact_top, deadline, bar)
             finally:
                 bar.close()
+            if not any(map(_fits, found)):
+                # Below the hierarchies' floor: the least-memory schedules, polished as theirs
+                # are (NOTE [ Least memory within blocks ]).
+                found += [finish(name, problem, schedule, time.perf_counter(), proven=False,
+                                 simulation=sim, detail="every value recomputed before each read")
+                          for name, schedule, sim in least_memory_schedules(graph)]
             feasible = sorted(filter(_fits, found), key=lambda r: r.simulation.time)
             if not feasible:
                 lowest = min((r for r in found if r.schedule is not None),

@@ -547,7 +547,9 @@ def test_summary_and_warnings_name_sizes_by_input_and_axis():
     assert lines[0] == "batch['x'][0]=32, batch['x'][1]=16   schedule 2 (unmodified step, run eagerly)"
     assert lines[1] == ("batch['x'][0]=64, batch['x'][1]=16   schedule 1 (solved at "
                         "batch['x'][0]=64, batch['x'][1]=16)")
-    assert lines[2].startswith("batch['x'][0]=128, batch['x'][1]=16  schedule 3 ("), lines
+    # schedule 3 is the least-memory fallback; the solve at its peak polished a faster one (4)
+    assert lines[2].startswith("batch['x'][0]=128, batch['x'][1]=16  schedule 4 (solved at "
+                               "batch['x'][0]=128, batch['x'][1]=16)"), lines
     assert rm.shapes.summary().endswith("  [over budget]")
 
 

@@ -139,8 +139,8 @@ def test_hf_mamba_is_captured_as_eager_runs_it():
     """NOTE [ The algorithm eager runs ]: HF Mamba's mixers run ``associative_scan`` when they
     see dynamo (``use_associative_scan``, on by default) and a sequential loop in eager; the
     captured step is eager's loop: bitwise gradients, within 50% (issue 34; with 2 layers the
-    lowest schedule found is 59% of eager's step at T=32, where the scan's own gradients fill
-    most of the budget), and the user's flag is left as it was."""
+    lowest schedule is 52% of eager's step at T=32, where the scan's own gradients fill most of
+    the budget), and the user's flag is left as it was."""
     cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
                                    num_hidden_layers=3, use_cache=False)
     assert cfg.use_associative_scan
@@ -149,6 +149,29 @@ def test_hf_mamba_is_captured_as_eager_runs_it():
     model = assert_bitwise_within("50%", ref, batch=4, seq=16)
     mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
     assert len(mixers) == 3 and all(m.use_associative_scan is True for m in mixers)
+
+
+def test_hf_mamba_reaches_the_floor_that_keeping_each_layers_input_reaches():
+    """Issue 34 item 3: a 2-layer HF Mamba's lowest schedule was 55-59% of eager's step
+    (``InfeasibleBudgetError`` advising "56%"), where keeping each layer's input and recomputing
+    the rest before each read peaks at 52%. Two causes: the layers' scans (modules held in
+    globals, NOTE [ Modules held in globals ]) shared one module path outside the layers, and
+    the rescue kept nothing (NOTE [ Least memory within blocks ]). "52%" now fits, bitwise."""
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
+                                   num_hidden_layers=2, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.MambaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    ids = torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(0))
+    rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="52%")
+    with remat.track_memory() as eager:
+        ref(input_ids=ids, labels=ids).loss.backward()
+    with remat.track_memory() as mem:
+        rm(input_ids=ids, labels=ids).loss.backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert mem.peak_bytes <= 0.52 * eager.peak_bytes
+    assert "least memory, the inputs of 4 blocks kept" in rm.plan.summary()
 
 
 def test_a_longer_sequence_than_the_example_gets_its_own_share():
