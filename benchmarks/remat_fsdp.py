@@ -2,6 +2,7 @@
 
     python -m benchmarks.remat_fsdp                       # HF Llama and HF GPT-2, budgets 50 30
     python -m benchmarks.remat_fsdp --model hf-llama --budgets 50 --steps 6
+    python -m benchmarks.remat_fsdp --model hf-llama --layers 12 --budgets 50 30   # 30% reachable
     python -m benchmarks.remat_fsdp --device cuda         # 2 GPUs, NCCL
     python -m benchmarks.remat_fsdp --quick               # Llama only, budget 50, 3 steps
     python -m benchmarks.remat_fsdp --device cuda --ranks 1 --quick   # one GPU (gpu_check.sh)
@@ -74,19 +75,20 @@ class Row:
 # ---- one rank --------------------------------------------------------------------------------
 
 
-def build(name: str, device: torch.device) -> tuple[nn.Module, nn.ModuleList]:
-    """The model from its config (the same weights for every method) and its decoder layers."""
+def build(name: str, device: torch.device, layers: int = 4) -> tuple[nn.Module, nn.ModuleList]:
+    """The model from its config (the same weights for every method) and its ``layers``
+    decoder layers."""
     import transformers
 
     torch.manual_seed(0)
     if name == "hf-llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128,
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=128,
                                        num_attention_heads=4, num_key_value_heads=4,
                                        intermediate_size=344, vocab_size=1000,
                                        max_position_embeddings=128, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(cfg).to(device)
         return model, model.model.layers
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1000,
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=1000,
                                   n_positions=128, bos_token_id=0, eos_token_id=0,
                                   attn_implementation="sdpa")
     model = transformers.GPT2LMHeadModel(cfg).to(device)
@@ -218,20 +220,20 @@ class Rank:
                 m.peaks, m.losses, m.grads = [], [], None
 
         def eager(m: Method) -> None:
-            m.model = shard(*build(model_name, self.device), self.mesh)
+            m.model = shard(*build(model_name, self.device, args.layers), self.mesh)
 
         def checkpointed(m: Method) -> None:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 CheckpointImpl, checkpoint_wrapper)
 
-            model, layers = build(model_name, self.device)
+            model, layers = build(model_name, self.device, args.layers)
             for i in range(len(layers)):
                 layers[i] = checkpoint_wrapper(layers[i],
                                                checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             m.model = shard(model, layers, self.mesh)
 
         def compiled(m: Method) -> None:
-            model, layers = build(model_name, self.device)
+            model, layers = build(model_name, self.device, args.layers)
             for layer in layers:
                 layer.compile(backend="aot_eager")
             m.context = lambda: torch._functorch.config.patch(
@@ -240,7 +242,7 @@ class Rank:
 
         def ours(budget: float) -> Callable[[Method], None]:
             def setup(m: Method) -> None:
-                m.model = shard(*build(model_name, self.device), self.mesh)
+                m.model = shard(*build(model_name, self.device, args.layers), self.mesh)
                 start = time.perf_counter()
                 m.note = self.plan(m.model, budget)
                 m.plan_s = time.perf_counter() - start
@@ -475,6 +477,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--budgets", type=float, nargs="+", default=[50, 30],
                         help="ours: percent of the whole step")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="decoder layers (FSDP units); with more, lower budgets are reachable")
     parser.add_argument("--steps", type=int, default=4, help="measured steps of each method")
     parser.add_argument("--time-steps", type=int, default=8,
                         help="timed steps of each method (taking turns)")
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     info = by_rank[0]
     print(f"remat_fsdp: models={','.join(args.models)} FSDP2 on {info['world']} ranks "
           f"({'NCCL' if args.device == 'cuda' else 'gloo'}) torch={info['torch']} "
-          f"{args.device} {info['device']} batch=(4, 64) measured steps={args.steps} timed "
+          f"{args.device} {info['device']} layers={args.layers} batch=(4, 64) measured steps={args.steps} timed "
           f"steps={args.time_steps} solver={args.solver} "
           f"(wall {time.perf_counter() - start:.0f} s)")
     print(report(rows, args.budgets))
