@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .budget import Budget, Reference, format_bytes, parse_budget
 from .cache import PlanCache, costs_key, graph_key, resolve_cache
-from .errors import RematError, ScheduleError, SolverError
+from .errors import InfeasibleBudgetError, RematError, ScheduleError, SolverError
 from .codegen import boxed, direct_calls, generate_modules
 from .carry import carry_costs, carry_schedule
 from .costs import machine_tag, measure_op_times, model_op_times
@@ -78,8 +78,12 @@ class RematBackend:
 
     def __init__(self, budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT_SOLVER,
                  time_limit: float = 60.0, measure: bool = True, options: dict | None = None,
-                 cache: PlanCache | str | bool | None = None) -> None:
+                 cache: PlanCache | str | bool | None = None, between_breaks: bool = False
+                 ) -> None:
         self.budget = parse_budget(budget)
+        # torch.compile's graphs, one per piece between graph breaks, not one whole step
+        # (NOTE [ A piece with nothing to recompute ])
+        self.between_breaks = between_breaks
         get_solver(solver)  # validates the name now, not at the first step
         self.solver = solver
         self.time_limit = check_time_limit(time_limit)  # NOTE [ One check per setting ]
@@ -252,11 +256,7 @@ class RematBackend:
             schedule, plan = hit
         else:
             try:
-                plan, schedule = plan_graph(graph, budget, solver=self.solver,
-                                            time_limit=self.time_limit, options=self.options,
-                                            over_budget="lowest" if self.lenient else "raise",
-                                            reference=reference,
-                                            candidates=_user_checkpointing(lowered, graph))
+                plan, schedule = self._plan(graph, budget, reference, lowered)
             except RematError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a solver crash is ours, not the model's
@@ -324,6 +324,29 @@ class RematBackend:
         if self.cache is not None:
             self.cache.put_costs(ckey, machine, costs)
         return lowered.graph.with_times(costs.times, costs.workspaces, costs.rerun_times), alone
+
+    def _plan(self, graph: RematGraph, budget: Budget, reference: Reference | None,
+              lowered) -> tuple[Plan, Schedule]:
+        """NOTE [ A piece with nothing to recompute ]
+        Under ``torch.compile(model, backend=remat.backend(...))`` each graph between graph
+        breaks gets the budget of its own step. A piece where no schedule peaks below its
+        unmodified step (an embedding lookup before ``pack_padded_sequence``, which dynamo
+        cannot trace) raised ``InfeasibleBudgetError``, and that stopped the user's whole
+        compile for a piece no budget could change. Such a piece runs unmodified, with
+        :func:`plan_graph`'s warning; a piece that could save memory, only not enough, still
+        raises with a budget that fits."""
+        def solve(over_budget: str) -> tuple[Plan, Schedule]:
+            return plan_graph(graph, budget, solver=self.solver, time_limit=self.time_limit,
+                              options=self.options, over_budget=over_budget,
+                              reference=reference, candidates=_user_checkpointing(lowered, graph))
+
+        try:
+            return solve("lowest" if self.lenient else "raise")
+        except InfeasibleBudgetError as exc:
+            if not (self.between_breaks and exc.best_bytes is not None
+                    and exc.best_bytes >= exc.baseline_bytes):
+                raise
+            return solve("lowest")
 
     def _too_big_to_measure(self, graph: RematGraph) -> bool:
         """Whether measuring ``graph``'s ops would run an unmodified step over the budget inside
@@ -476,4 +499,4 @@ def backend(budget: str | float | int | Budget = "70%", *, solver: str = DEFAULT
         >>> model = torch.compile(model, backend=remat.backend(budget="50%"))
     """
     return RematBackend(budget, solver=solver, time_limit=time_limit, measure=measure,
-                        options=options, cache=cache)
+                        options=options, cache=cache, between_breaks=True)

@@ -164,3 +164,46 @@ def test_an_lstm_in_eval_mode_is_bitwise():
     torch.manual_seed(0)
     model = RecurrentLM(nn.LSTM, hidden=64, dropout=0.3).eval()
     _assert_bitwise_within(model, "80%", _tokens(16, 48))
+
+
+class PackedLM(nn.Module):
+    """An LSTM LM over padded batches of several lengths, packed as users pack them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.rnn = nn.LSTM(32, 64, 2, batch_first=True)
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                      enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
+                                     total_length=ids.shape[1])
+        return F.cross_entropy(self.head(out).flatten(0, 1), ids.flatten())
+
+
+def test_packed_sequences_train_through_the_backend_route_the_capture_error_names():
+    """``pack_padded_sequence`` is a graph break: ``rematerialize`` raises ``CaptureError``
+    naming ``torch.compile(model, backend=remat.backend(...))``. On that route the embedding
+    before the break is a piece no schedule can shrink: it raised ``InfeasibleBudgetError`` and
+    stopped the compile; it now runs unmodified with a warning (NOTE [ A piece with nothing to
+    recompute ]), and training is bitwise eager's."""
+    torch.manual_seed(0)
+    ref = PackedLM()
+    model = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(0)
+    ids, lengths = torch.randint(256, (8, 24), generator=g), torch.randint(4, 25, (8,), generator=g)
+    with pytest.raises(remat.CaptureError, match=r"backend=remat\.backend"):
+        remat.rematerialize(copy.deepcopy(ref), ids, lengths, budget="50%")
+    backend = remat.backend("50%", cache=False)
+    compiled = torch.compile(model, backend=backend)
+    with pytest.warns(UserWarning, match="no schedule fits"):
+        compiled(ids, lengths).backward()
+    ref(ids, lengths).backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert [p.status for p in backend.plans] == ["over_budget"]
+    assert backend.plans[0].predicted_peak_bytes == backend.plans[0].baseline_bytes
