@@ -515,8 +515,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     info = by_rank[0]
     print(f"remat_fsdp: models={','.join(args.models)} FSDP2 on {info['world']} ranks "
           f"({'NCCL' if args.device == 'cuda' else 'gloo'}) torch={info['torch']} "
-          f"{args.device} {info['device']} layers={args.layers} batch=(4, 64) measured steps={args.steps} timed "
-          f"steps={args.time_steps} solver={args.solver} "
+          f"{args.device} {info['device']} layers={args.layers} batch=(4, 64) "
+          f"measured steps={args.steps} timed steps={args.time_steps} solver={args.solver} "
           f"(wall {time.perf_counter() - start:.0f} s)")
     print(report(rows, args.budgets))
     return rows

@@ -26,8 +26,9 @@ top level, NOTE [ Fine and coarse top levels ]; keep/recompute-only options), an
 whose whole ILP is small, that ILP where no hierarchy fits (NOTE [ The exact ILP beside the
 hierarchy ]); block ILPs run in the background (NOTE [ Block ILPs in the background ]). Where
 none of those fits, the least-memory schedules (NOTE [ Least memory within blocks ]) are
-polished as candidates. The fastest schedule that fits wins. Every part is bounded by work, so an uncut
-solve's schedule does not depend on the machine's load (NOTE [ Work bounds and the time cap ]).
+polished as candidates. The fastest schedule that fits wins. Every part is bounded by work, so
+an uncut solve's schedule does not depend on the machine's load
+(NOTE [ Work bounds and the time cap ]).
 """
 from __future__ import annotations
 
