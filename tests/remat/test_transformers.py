@@ -135,17 +135,22 @@ def test_eager_expert_loop_runs_as_one_op_as_eager_runs_it(build):
     assert model.config._experts_implementation == "eager"
 
 
+def mamba(layers: int):
+    """A small HF Mamba built from its config (the tests' own seed)."""
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
+                                   num_hidden_layers=layers, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.MambaForCausalLM(cfg)
+
+
 def test_hf_mamba_is_captured_as_eager_runs_it():
     """NOTE [ The algorithm eager runs ]: HF Mamba's mixers run ``associative_scan`` when they
     see dynamo (``use_associative_scan``, on by default) and a sequential loop in eager; the
     captured step is eager's loop: bitwise gradients, within 50% (issue 34; with 2 layers the
     lowest schedule is 52% of eager's step at T=32, where the scan's own gradients fill most of
     the budget), and the user's flag is left as it was."""
-    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
-                                   num_hidden_layers=3, use_cache=False)
-    assert cfg.use_associative_scan
-    torch.manual_seed(0)
-    ref = transformers.MambaForCausalLM(cfg)
+    ref = mamba(3)
+    assert ref.config.use_associative_scan
     model = assert_bitwise_within("50%", ref, batch=4, seq=16)
     mixers = [m for m in model.modules() if hasattr(m, "use_associative_scan")]
     assert len(mixers) == 3 and all(m.use_associative_scan is True for m in mixers)
@@ -157,10 +162,7 @@ def test_hf_mamba_reaches_the_floor_that_keeping_each_layers_input_reaches():
     the rest before each read peaks at 52%. Two causes: the layers' scans (modules held in
     globals, NOTE [ Modules held in globals ]) shared one module path outside the layers, and
     the rescue kept nothing (NOTE [ Least memory within blocks ]). "52%" now fits, bitwise."""
-    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
-                                   num_hidden_layers=2, use_cache=False)
-    torch.manual_seed(0)
-    ref = transformers.MambaForCausalLM(cfg)
+    ref = mamba(2)
     model = copy.deepcopy(ref)
     ids = torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(0))
     rm = remat.rematerialize(model, input_ids=ids, labels=ids, budget="52%")
@@ -179,10 +181,7 @@ def test_a_longer_sequence_than_the_example_gets_its_own_share():
     captures each length as a graph of its own. A longer one is the run's largest step, and
     "60%" is of it: it used to get the example's smaller budget in bytes, which no schedule
     could meet, and ran a nearly unmodified step at 1.06x its eager peak."""
-    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=64, state_size=8,
-                                   num_hidden_layers=2, use_cache=False)
-    torch.manual_seed(0)
-    ref = transformers.MambaForCausalLM(cfg)
+    ref = mamba(2)
     model = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(256, (4, 32), generator=g)
