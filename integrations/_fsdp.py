@@ -19,28 +19,49 @@ NOTE [ Remat inside an FSDP unit ]
 
 NOTE [ One step budget over FSDP units ]
     The budget is of the whole step on each rank, as the warmup measures it, not of each unit:
-    70% of every unit's own step gave 0.74-0.81 of the whole step, 55-60% gave 0.43-0.48. In a
-    chain of units the step peaks in backward at about ``R + sum(S_i) + max(P_i - S_i)``: what
-    each unit saves for backward (``S_i``), the largest extra a unit needs while it runs (its
-    own peak ``P_i`` beyond what it saved), and the rest ``R`` (the root's layers and loss,
-    gathered parameters and gradients), which the unmodified plans give: ``R = E - (sum(S_i^e)
-    + max(P_i^e - S_i^e))`` for the measured eager step ``E``. Every unit is planned at one
-    fraction ``f`` of its own eager step, the largest whose predicted step fits the budget
-    (bisection; units with the same graph are solved once per fraction): the least
-    recomputation under an even cut. A unit's own schedule cannot go below about half of its
-    own step (its inputs, outputs and gradients), so on its own that stops near 0.64 of a
-    4-layer Llama's step; the upper level's other choice is to keep only a unit's inputs and
-    run its forward again in backward (``torch.utils.checkpoint`` around the rematerialized
-    unit, RNG state preserved: bitwise), which saves ``in_i`` instead of ``S_i`` and needs
-    ``P_i`` while it runs. The first ``k`` units are checkpointed and every unit is planned at
-    the largest fraction that fits with them, ``k`` being the count whose plan is predicted
-    fastest (NOTE [ Checkpointing more units can be faster ]): HiRemate's upper level reduced
-    to two numbers per chain.
-    What FSDP itself holds at the new peak (a unit's unsharded gradients before their
-    reduce-scatter, the next unit's prefetched parameters) is not in that sum: a 4-layer Llama
-    predicted at 0.498 of its step measured 0.552. So the plans are checked on a measured step
-    (:func:`plan_units`' ``trial``), and a step over the budget plans again for a predicted
-    step lower by what the measured one missed by, at most ``_ROUNDS`` times.
+    70% of every unit's own step gave 0.74-0.81 of the whole step, 55-60% gave 0.43-0.48. The
+    step's peak is predicted from what each unit's plan saves and peaks at (NOTE [ The step's
+    peak over a chain of units ]). Every unit is planned at one fraction ``f`` of its own eager
+    step, the largest whose predicted step fits the budget (bisection; units with the same
+    graph are solved once per fraction): the least recomputation under an even cut. A unit's
+    own schedule cannot go below about half of its own step (its inputs, outputs and
+    gradients), so on its own that stops near 0.64 of a 4-layer Llama's step; the upper level's
+    other choice is to keep only a unit's inputs and run its forward again in backward
+    (``torch.utils.checkpoint`` around the rematerialized unit, RNG state preserved: bitwise),
+    which holds its inputs alone and needs its own peak while it runs. The first ``k`` units
+    are checkpointed (their saved values are held longest) and every unit is planned at the
+    largest fraction that fits with them, ``k`` being the count whose plan is predicted fastest
+    (NOTE [ Checkpointing more units can be faster ]): HiRemate's upper level reduced to two
+    numbers per chain. The plans are then checked on a measured step (:func:`plan_units`'
+    ``trial``); a step over the budget plans again with the model calibrated on that step, at
+    most ``_ROUNDS`` times.
+
+NOTE [ The step's peak over a chain of units ]
+    Unit ``i`` holds its input activations ``x_i`` and what its plan saves ``S_i`` (a
+    checkpointed unit: ``x_i`` alone) from its forward to its backward, and peaks at ``P_i +
+    x_i`` while its backward runs (``P_i``, its own schedule's peak, leaves its inputs out).
+    The step has three moments, each measured on the warmup step by marks where the gradient
+    reaches each unit's output and input (:func:`step_phases`):
+    - forward and loss head, up to the gradient reaching the last unit: every unit holds what
+      it saved, ``F + sum(held_i)``;
+    - the units' backward, the last first: unit ``i`` runs while the units before it still
+      hold theirs and those after it have freed theirs but hold their reduced gradients
+      ``G_j`` (the shard of this rank), ``B + max_i(sum_{j<i} held_j + P_i + x_i +
+      sum_{j>i} G_j)``;
+    - after the first unit (the embedding's backward): ``T``, whatever the units run.
+    ``F``, ``B`` and ``T`` (the loss head, gathered parameters, FSDP's buffers) come from the
+    measured phases of the unmodified step, so the model predicts it exactly. On a 12-layer
+    Llama (2 gloo ranks) the step peaks in the loss head (38.0 MB, the units' backward 36.9
+    MB), and at 30% it moves to the second unit's backward, where 10 units' gradients are
+    held. Measured against predicted there: 10.62 against 10.38 MB; calibrated again on that
+    trial, 10.27 against 10.33 (at 50%: 17.29 against 17.25). The model it replaces, ``R +
+    sum(S_i) + max(P_i - S_i)`` with one ``R`` from the whole eager step, held every unit's
+    saved values at the largest unit's backward and missed the inputs and gradients: 17.58
+    predicted for 14.02 MB measured at 50%, so it checkpointed 9 of 12 units where 8 fit, and
+    at 30% it predicted 8.46 for 9.86 MB. What FSDP holds beyond the model on other steps
+    (the next unit's prefetched parameters, buffers gloo releases late: NOTE [ Buffers gloo's
+    workers release late ]) is what the trial step and its headroom are for. Without marks
+    (a step whose units' outputs need no gradient), the looser model is used.
 
 NOTE [ Checkpointing more units can be faster ]
     The fewest checkpointed units is not the fastest plan: to fit with fewer, every unit's own
@@ -73,12 +94,13 @@ NOTE [ Buffers gloo's workers release late ]
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -90,6 +112,7 @@ from remat.budget import NO_LIMIT, format_bytes
 from remat.cache import PlanCache, costs_key
 from remat.errors import RematError
 from remat.graph import Phase
+from remat.memory import MemoryTracker, open_tracker
 
 from integrations._remat_shared import Collectives, RematSettings, Target, TargetResult
 from integrations._warmup import record_first_calls
@@ -174,7 +197,7 @@ def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
     """
     units = units_to_plan(root)
     targets = [Target(name, None, "", unit, False) for name, unit in units]
-    with record_first_calls(targets) as recorded:
+    with record_first_calls(targets) as recorded, step_phases([u for _, u in units]) as phases:
         eager = step(True)
     calls = dict(recorded)
     missing = [t.name for t in targets if t.name not in calls]
@@ -199,7 +222,7 @@ def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
         planned = plan_units([u for _, u in units], [calls[n] for n, _ in units], eager, budget,
                              solver=settings.solver, time_limit=settings.time_limit,
                              cache=cache, trial=lambda: step(False) or 0, comm=comm,
-                             late_bytes=late_release_bytes(root))
+                             late_bytes=late_release_bytes(root), phases=phases.measured)
     except BaseException:
         for _, unit in units:
             uninstall(unit)
@@ -321,7 +344,9 @@ class StepShare:
         checkpointed: How many units (the first ones) keep only their inputs.
         predicted_step_bytes: The step's predicted peak on this rank with those plans.
         eager_step_bytes: The measured unmodified step.
-        rest_bytes: What the step holds outside the units (``R``).
+        model: How the step's peak was predicted from the units' plans.
+        sizes: Each unit's ``(peak, held)`` in the model with these plans (NOTE [ The step's
+            peak over a chain of units ]).
         fits: Whether ``predicted_step_bytes`` is within the budget; when not, ``fraction`` is
             and ``checkpointed`` those with the lowest predicted step.
     """
@@ -330,18 +355,25 @@ class StepShare:
     checkpointed: int
     predicted_step_bytes: int
     eager_step_bytes: int
-    rest_bytes: int
+    model: StepModel
+    sizes: tuple[tuple[int, int], ...]
     fits: bool
 
 
 def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eager_step_bytes: int,
-                      budget_bytes: int, *, solver: str) -> StepShare:
+                      budget_bytes: int, *, solver: str,
+                      phases: StepPhases | None = None, grads: Sequence[int] = (),
+                      model: StepModel | None = None) -> StepShare:
     """NOTE [ One step budget over FSDP units ]: the fewest checkpointed units and the largest
     fraction of each unit's eager step at which the whole step is predicted to fit
-    ``budget_bytes``; ``inputs`` are the bytes of each unit's inputs."""
+    ``budget_bytes``; ``probes`` and ``inputs`` (the bytes of each unit's input activations) in
+    the order the units run. The step's peak is predicted by ``model``, or by the model
+    calibrated on the unmodified step's ``phases`` (when measured) and the bytes of each unit's
+    gradients on this rank, ``grads`` (NOTE [ The step's peak over a chain of units ])."""
     keys = [costs_key(p.graphs[0]) for p in probes]
-    eager = [(p.plan.baseline_bytes, p.plan.saved_bytes) for p in probes]
-    rest = eager_step_bytes - _step_of(eager, 0)
+    eager = tuple((p.plan.baseline_bytes + x, p.plan.saved_bytes + x)
+                  for p, x in zip(probes, inputs))
+    model = model or StepModel.calibrated(eager, eager_step_bytes, phases, grads)
     # a checkpointed unit runs its forward once more in backward (the probes' modelled times)
     forward_s = [sum(op.time for op in p.graphs[0].ops if op.phase == Phase.FORWARD)
                  for p in probes]
@@ -356,21 +388,27 @@ def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eage
                 plan.baseline_time_s * (1 + plan.predicted_overhead))
         return solved[key, fraction]
 
-    def step_at(fraction: float, checkpointed: int) -> float:
+    def sizes_at(fraction: float, checkpointed: int) -> tuple[tuple[int, int], ...] | None:
+        # a unit's input is held with what it saves (a checkpointed one's: alone) until its
+        # backward has run, and its schedule's peak leaves its inputs out
         sizes = []
         for k, (key, p) in enumerate(zip(keys, probes)):
             found = plan_at(key, p, fraction)
             if found is None:
-                return math.inf
+                return None
             peak, saved, _ = found
-            sizes.append((peak, min(saved, inputs[k])) if k < checkpointed else (peak, saved))
-        return _step_of(sizes, rest)
+            sizes.append((peak + inputs[k], inputs[k] + (0 if k < checkpointed else saved)))
+        return tuple(sizes)
+
+    def step_at(fraction: float, checkpointed: int) -> float:
+        sizes = sizes_at(fraction, checkpointed)
+        return math.inf if sizes is None else model(sizes)
 
     def seconds_at(fraction: float, checkpointed: int) -> float:
         return sum(solved[key, fraction][2] for key in keys) + sum(forward_s[:checkpointed])
 
     if eager_step_bytes <= budget_bytes:
-        return StepShare(1.0, 0, eager_step_bytes, eager_step_bytes, rest, True)
+        return StepShare(1.0, 0, eager_step_bytes, eager_step_bytes, model, eager, True)
     best = (math.inf, 1.0, 0)  # the lowest finite step seen, for when nothing fits
 
     def largest_fitting(checkpointed: int) -> float | None:
@@ -402,19 +440,140 @@ def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eage
     if fastest is not None:
         _, fraction, checkpointed = fastest
         return StepShare(-fraction, checkpointed, int(step_at(-fraction, checkpointed)),
-                         eager_step_bytes, rest, True)
+                         eager_step_bytes, model, sizes_at(-fraction, checkpointed), True)
     step, fraction, checkpointed = best
     return StepShare(fraction, checkpointed,
                      int(step) if math.isfinite(step) else eager_step_bytes,
-                     eager_step_bytes, rest, False)
+                     eager_step_bytes, model, sizes_at(fraction, checkpointed) or eager, False)
 
 
-def _step_of(units: Sequence[tuple[int, int]], rest: int) -> int:
-    """The step's predicted peak from each unit's ``(peak, saved)``: ``rest + sum(saved) +
-    max(peak - saved)``."""
+@dataclasses.dataclass(frozen=True)
+class StepPhases:
+    """The unmodified step's measured peak on either side of the moment the units' backward
+    starts (the gradient reaches the last unit's output).
+
+    Attributes:
+        forward_bytes: The peak up to then: the units' forwards and the loss head, while every
+            unit holds what it saved.
+        backward_bytes: The peak from then until the gradient reaches the first unit's input:
+            the units' backwards, the last unit first.
+        tail_bytes: The peak after (the layers before the first unit, their gradients).
+    """
+
+    forward_bytes: int
+    backward_bytes: int
+    tail_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """The step's predicted peak from each unit's ``(peak, saved)``, in the order the units run
+    (NOTE [ The step's peak over a chain of units ]).
+
+    Attributes:
+        forward_rest: What the step holds beside the units' saved values when its forward and
+            loss head peak (``None``: the phases were not measured).
+        backward_rest: What it holds beside the units while their backward peaks; without
+            phases, beside every unit's saved values and the largest unit's extra.
+        tail: The peak after the units' backward (the same whatever they run).
+        grads: The bytes of each unit's gradients on this rank (its shard's), which stay once
+            its backward has reduced them.
+    """
+
+    forward_rest: int | None
+    backward_rest: int
+    tail: int = 0
+    grads: tuple[int, ...] = ()
+
+    @classmethod
+    def calibrated(cls, eager: Sequence[tuple[int, int]], eager_step_bytes: int,
+                   phases: StepPhases | None, grads: Sequence[int] = ()) -> StepModel:
+        """The model whose prediction for the unmodified units' ``eager`` sizes is the measured
+        step (each phase's peak, when measured)."""
+        if phases is None:
+            return cls(None, eager_step_bytes - _all_held(eager))
+        grads = tuple(grads) or (0,) * len(eager)
+        return cls(phases.forward_bytes - sum(saved for _, saved in eager),
+                   phases.backward_bytes - _in_order(eager, grads), phases.tail_bytes, grads)
+
+    def __call__(self, units: Sequence[tuple[int, int]]) -> int:
+        if self.forward_rest is None:
+            return self.backward_rest + _all_held(units)
+        return max(self.forward_rest + sum(saved for _, saved in units),
+                   self.backward_rest + _in_order(units, self.grads), self.tail)
+
+
+def _all_held(units: Sequence[tuple[int, int]]) -> int:
+    """``sum(saved) + max(peak - saved)``: every unit's saved values held while the largest
+    extra runs (the bound without phases)."""
     if not units:
-        return rest
-    return rest + sum(saved for _, saved in units) + max(peak - saved for peak, saved in units)
+        return 0
+    return sum(saved for _, saved in units) + max(peak - saved for peak, saved in units)
+
+
+def _in_order(units: Sequence[tuple[int, int]], grads: Sequence[int]) -> int:
+    """``max_i(sum(saved_j, j < i) + peak_i + sum(grads_j, j > i))``: a unit's backward runs
+    while the units before it still hold what they saved, and those after it have freed that
+    and hold their gradients."""
+    held, top, after = 0, 0, sum(grads)
+    for (peak, saved), grad in zip(units, grads, strict=True):
+        after -= grad
+        top = max(top, held + peak + after)
+        held += saved
+    return top
+
+
+@contextlib.contextmanager
+def step_phases(units: Sequence[nn.Module]) -> Iterator[_Phases]:
+    """Inside a measured step (a :func:`remat.track_memory` block open when the units run),
+    mark where the gradient reaches each unit's output and input; yields what is filled once
+    that block exits (:attr:`_Phases.measured`)."""
+    found = _Phases()
+
+    def mark(kind: str) -> None:
+        tracker = open_tracker()
+        if tracker is None or found.tracker not in (None, tracker):
+            return
+        found.tracker = tracker
+        found.marks.append((kind, tracker.mark()))
+
+    def on_gradient(values: Any, kind: str) -> None:
+        x = next((t for t in tree_leaves(values)
+                  if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if x is not None:
+            x.register_hook(lambda grad: mark(kind))
+
+    handles = []
+    for unit in units:
+        handles.append(unit.register_forward_pre_hook(
+            lambda module, args, kwargs: on_gradient((args, kwargs), "input"), with_kwargs=True))
+        handles.append(unit.register_forward_hook(
+            lambda module, args, output: on_gradient(output, "output")))
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclasses.dataclass
+class _Phases:
+    tracker: MemoryTracker | None = None
+    marks: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (kind, index)
+
+    @property
+    def measured(self) -> StepPhases | None:
+        """The phases, once the tracker's block has exited (``None``: not measured)."""
+        tracker, marks = self.tracker, self.marks
+        outputs = [k for kind, k in marks if kind == "output"]
+        inputs = [k for kind, k in marks if kind == "input"]
+        if tracker is None or not outputs or not inputs or len(tracker.peaks) <= marks[-1][1]:
+            return None
+        # peaks[k] ends at mark k; the first unit's input gets its gradient last
+        first, last = outputs[0], inputs[-1]
+        peaks = tracker.peaks
+        return StepPhases(max(peaks[:first + 1]), max(peaks[first + 1:last + 1], default=0),
+                          max(peaks[last + 1:]))
 
 
 @dataclasses.dataclass
@@ -446,7 +605,8 @@ class UnitPlans:
 def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
                eager_step_bytes: int, budget_bytes: int, *, solver: str, time_limit: float,
                cache: PlanCache, trial: Callable[[], int],
-               comm: Collectives | None = None, late_bytes: int = 0) -> UnitPlans:
+               comm: Collectives | None = None, late_bytes: int = 0,
+               phases: StepPhases | None = None) -> UnitPlans:
     """Rematerialize every FSDP unit so that the whole step fits ``budget_bytes`` (NOTE [ One
     step budget over FSDP units ]) and install them (NOTE [ Remat inside an FSDP unit ]).
 
@@ -464,6 +624,9 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             the same number of times on every rank).
         late_bytes: Headroom the trial step must leave under the budget (NOTE [ Buffers
             gloo's workers release late ]).
+        phases: The unmodified step's peaks before and after the units' backward starts
+            (:func:`step_phases`; ``None``: a looser model, NOTE [ The step's peak over a
+            chain of units ]).
     """
     comm = comm or Collectives()
     probes, seen = [], {}
@@ -473,12 +636,13 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         if same not in seen:
             seen[same] = probe(unit, *call)
         probes.append(seen[same])
-    inputs = [sum(x.nbytes for x in tree_leaves(call) if isinstance(x, torch.Tensor))
-              for call in calls]
-    target, modules = budget_bytes, []
+    inputs = [_activation_bytes(call) for call in calls]
+    grads = [_gradient_bytes(unit) for unit in units]
+    target, model, modules = budget_bytes - late_bytes, None, []
     for rounds in range(1, _ROUNDS + 1):
         share = comm.broadcast(None if comm.rank else share_step_budget(
-            probes, inputs, eager_step_bytes, target, solver=_SEARCH_SOLVER))
+            probes, inputs, eager_step_bytes, target, solver=_SEARCH_SOLVER, phases=phases,
+            grads=grads, model=model))
         modules = []
         for k, (unit, call, p) in enumerate(zip(units, calls, probes)):
             uninstall(unit)
@@ -487,14 +651,37 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
                                     eager_peak_bytes=p.plan.eager_bytes, comm=comm)
             install(unit, rm, checkpointed=k < share.checkpointed)
             modules.append(rm)
-        measured = trial()
+        with step_phases(units) as measuring:
+            measured = trial()
         # by how much the rank that missed most went over (NOTE [ Buffers gloo's workers
-        # release late ]); every rank plans again for a prediction that much lower
-        over = comm.all_max(measured + late_bytes - budget_bytes)
-        if over <= 0 or not share.fits:
+        # release late ])
+        over = measured + late_bytes - budget_bytes
+        worst = comm.all_max(over)
+        if worst <= 0 or not share.fits:
             break
-        target = share.predicted_step_bytes - over
+        # NOTE [ The step's peak over a chain of units ]: the model calibrated on this trial
+        # predicts what it measured; the ranks that missed by more than rank 0 lower its target
+        found = measuring.measured
+        if found is None:
+            target, model = share.predicted_step_bytes - worst, share.model
+        else:
+            model = StepModel.calibrated(share.sizes, measured, found, grads)
+            target = budget_bytes - late_bytes - max(0, worst - over)
     return UnitPlans(modules, share, measured, budget_bytes, rounds, late_bytes)
+
+
+def _activation_bytes(call: tuple[tuple, dict]) -> int:
+    """The bytes of the tensors a unit is called with that need a gradient (its input
+    activations, counted once by storage; masks and rotary tables are shared by every unit)."""
+    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
+                for x in tree_leaves(call) if isinstance(x, torch.Tensor) and x.requires_grad}
+    return sum(storages.values())
+
+
+def _gradient_bytes(unit: nn.Module) -> int:
+    """The bytes of ``unit``'s gradients on this rank: its parameters' local shards."""
+    local = [getattr(p, "_local_tensor", p) for p in unit.parameters() if p.requires_grad]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _holds_cache(call: tuple[tuple, dict]) -> bool:

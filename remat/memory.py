@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["MemoryTracker", "track_memory"]
+__all__ = ["MemoryTracker", "open_tracker", "track_memory"]
 
 
 @dataclass
@@ -37,6 +37,10 @@ class MemoryTracker:
         end_bytes: Bytes allocated inside and still live at exit.
         num_events: Allocation and free events seen (CPU only; 0 on CUDA).
         marks: Live bytes (above the level at entry) at each :meth:`mark`, in call order.
+        peaks: The peak (above the level at entry) of each stretch the marks cut the block
+            into: before the first mark, between each mark and the next, after the last (one
+            more than ``marks``; ``[peak_bytes]`` without marks). Their maximum is
+            ``peak_bytes``.
     """
 
     device: str
@@ -44,23 +48,42 @@ class MemoryTracker:
     end_bytes: int = 0
     num_events: int = 0
     marks: list[int] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
     _done: bool = field(default=False, repr=False)
     _start: int = field(default=0, repr=False)
     _cuda_floor: int = field(default=0, repr=False)
+    _cuda_stretch_floor: int = field(default=0, repr=False)
+    _cuda_device: torch.device | None = field(default=None, repr=False)
     _sentinels: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    def mark(self) -> None:
-        """Note the live bytes at this point of the block (read from ``marks`` after it exits).
+    def mark(self) -> int:
+        """Note the live bytes at this point of the block and end a stretch of ``peaks`` here
+        (read both after the block exits); returns this mark's index in ``marks``.
 
         On CPU the point is a one-element sentinel storage kept alive to the end of the block,
         found again among the allocator's events; it is left out of every figure.
         """
         if self._done:
             raise RuntimeError("MemoryTracker.mark(): the track_memory() block has already exited")
+        index = len(self._sentinels) + len(self.marks)  # one of them is empty until the exit
         if self.device.startswith("cuda"):
-            self.marks.append(torch.cuda.memory_allocated(self.device) - self._start)
+            device = self._cuda_device
+            self.marks.append(torch.cuda.memory_allocated(device) - self._start)
+            self.peaks.append(self._cuda_stretch_peak(device))
+            reset_cuda_peak(device)  # the next stretch starts here; the block's peak is kept
+            self._cuda_stretch_floor = 0
         else:
             self._sentinels.append(torch.empty(1))
+        return index
+
+    def _cuda_stretch_peak(self, device: torch.device) -> int:
+        return max(torch.cuda.max_memory_allocated(device), self._cuda_stretch_floor) - self._start
+
+
+def open_tracker() -> MemoryTracker | None:
+    """The innermost :func:`track_memory` block open now (``None``: none is): code that runs
+    inside a measured block without holding its tracker (a hook) marks it through this."""
+    return _OPEN[-1] if _OPEN else None
 
 
 @contextlib.contextmanager
@@ -96,12 +119,16 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
         torch.cuda.synchronize(dev)
         start = tracker._start = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        tracker._cuda_device = dev
         _CUDA_TRACKERS.append((dev, tracker))
+        _OPEN.append(tracker)
         try:
             yield tracker
         finally:
+            _OPEN.remove(tracker)
             _CUDA_TRACKERS.remove((dev, tracker))
             torch.cuda.synchronize(dev)
+            tracker.peaks.append(tracker._cuda_stretch_peak(dev))
             peak = max(torch.cuda.max_memory_allocated(dev), tracker._cuda_floor)
             tracker.peak_bytes = peak - start
             tracker.end_bytes = torch.cuda.memory_allocated(dev) - start
@@ -121,9 +148,11 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
     with _quiet_unknown_frees():  # NOTE [ Frees the profiler cannot size ]
         prof = _memory_profile()
         prof.__enter__()
+        _OPEN.append(tracker)
         try:
             yield tracker
         finally:
+            _OPEN.remove(tracker)
             still_ours = torch._C._autograd._profiler_enabled()
             if still_ours:
                 prof.__exit__(None, None, None)
@@ -141,21 +170,24 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
                 if size > 0 and ptr in sentinels:
                     sentinel_at[ptr] = i
             at_index = {i: ptr for ptr, i in sentinel_at.items()}
-            mark_bytes: dict[int, int] = {}
+            mark_bytes: dict[int, tuple[int, int]] = {}  # sentinel -> (live, stretch's peak)
             live: dict[int, int] = {}
-            current = peak = 0
+            current = peak = stretch = 0
             for i, (_, ptr, size) in enumerate(events):
                 if i in at_index:
-                    mark_bytes[ptr] = current
+                    mark_bytes[ptr] = current, stretch
+                    stretch = current
                     continue
                 if size > 0:
                     live[ptr] = size
                     current += size
-                    peak = max(peak, current)
+                    peak, stretch = max(peak, current), max(stretch, current)
                 elif ptr in live:  # frees of storages allocated before entry do not count
                     current -= live.pop(ptr)
             tracker.peak_bytes, tracker.end_bytes = peak, current
-            tracker.marks = [mark_bytes.get(t.data_ptr(), 0) for t in tracker._sentinels]
+            found = [mark_bytes.get(t.data_ptr(), (0, 0)) for t in tracker._sentinels]
+            tracker.marks = [at for at, _ in found]
+            tracker.peaks = [before for _, before in found] + [stretch]
             tracker._sentinels.clear()
             tracker.num_events = len(events)
             tracker._done = True
@@ -163,6 +195,8 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
 
 # CUDA trackers open now, innermost last: see :func:`reset_cuda_peak`.
 _CUDA_TRACKERS: list[tuple[torch.device, MemoryTracker]] = []
+# Every tracker open now, innermost last: see :func:`open_tracker`.
+_OPEN: list[MemoryTracker] = []
 
 
 def reset_cuda_peak(device: torch.device) -> None:
@@ -176,6 +210,7 @@ def reset_cuda_peak(device: torch.device) -> None:
     for dev, tracker in _CUDA_TRACKERS:
         if dev == device:
             tracker._cuda_floor = max(tracker._cuda_floor, peak)
+            tracker._cuda_stretch_floor = max(tracker._cuda_stretch_floor, peak)
     torch.cuda.reset_peak_memory_stats(device)
 
 

@@ -557,3 +557,63 @@ def test_the_step_budget_goes_to_the_fastest_split_between_checkpointing_and_rem
     share = fsdp.share_step_budget([unit, unit], [10, 10], 200, 150, solver="dp")
     assert (share.fraction, share.checkpointed) == expected and share.fits
     assert share.predicted_step_bytes <= 150
+
+
+def test_the_step_model_orders_the_units_and_puts_the_loss_head_in_the_forward_phase():
+    """NOTE [ The step's peak over a chain of units ]: calibrated on the unmodified units, each
+    phase predicts its measured peak; a unit's backward sees only the units before it holding
+    what they saved, and the loss head sees all of them."""
+    from integrations._fsdp import StepModel, StepPhases
+
+    eager = [(100, 80), (100, 80), (100, 80)]  # (peak, saved) of each unit, in forward order
+    # backward: the last unit runs while the first two hold 160: 160 + 100 + rest 40
+    model = StepModel.calibrated(eager, 300, StepPhases(forward_bytes=290, backward_bytes=300))
+    assert (model.forward_rest, model.backward_rest) == (50, 40)
+    assert model(eager) == 300
+    # the first unit saving less lowers both phases; the last one only the loss head's
+    assert model([(60, 40), (100, 80), (100, 80)]) == max(50 + 200, 40 + 40 + 80 + 100)
+    assert model([(100, 80), (100, 80), (60, 40)]) == max(50 + 200, 40 + 160 + 60, 40 + 80 + 100)
+    # without phases: every unit's saved values held while the largest extra runs
+    loose = StepModel.calibrated(eager, 300, None)
+    assert loose.forward_rest is None and loose(eager) == 300
+    assert loose([(100, 80), (100, 80), (60, 40)]) == 300 - 40
+    # a unit's reduced gradients (10 each) stay from its backward on: with the first two
+    # units holding little, the first unit's backward (two units' gradients held) peaks; the
+    # embedding's backward after the units (tail 120) sets a floor
+    graded = StepModel.calibrated(eager, 300, StepPhases(290, 300, tail_bytes=120), (10,) * 3)
+    assert graded.backward_rest == 40 and graded(eager) == 300
+    assert graded([(100, 0), (100, 0), (100, 80)]) == max(50 + 80, 40 + 100 + 20, 120)
+    assert graded([(10, 0), (10, 0), (10, 0)]) == 120
+
+
+def test_the_phases_split_the_measured_step_where_the_units_backward_starts():
+    """``step_phases`` on a chain of units then a loss head 8x wider: the forward phase (every
+    unit's saved values and the head's logits) peaks above the units' backward, which peaks
+    above what follows the first unit, and the phases' peaks make the step's."""
+    import torch
+    from torch import nn
+
+    import remat
+    from integrations._fsdp import step_phases
+
+    torch.manual_seed(0)
+    units = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)]
+    head = nn.Linear(64, 512)
+    x = torch.randn(32, 64, requires_grad=True)  # as an embedding's output
+    with step_phases(units) as phases, remat.track_memory() as memory:
+        h = x
+        for unit in units:
+            h = unit(h)
+        head(h).logsumexp(-1).sum().backward()
+    measured = phases.measured
+    assert measured is not None
+    assert max(measured.forward_bytes, measured.backward_bytes, measured.tail_bytes) \
+        == memory.peak_bytes
+    logits = 32 * 512 * 4
+    assert measured.forward_bytes >= logits + 3 * 32 * 64 * 4  # the logits and each unit's tanh
+    assert measured.backward_bytes < measured.forward_bytes
+    assert measured.tail_bytes < measured.backward_bytes
+    assert len(memory.marks) == 6  # where the gradient reaches each unit's output and input
+    with step_phases(units) as unmeasured:  # no track_memory block: nothing to cut
+        units[0](x).sum().backward()
+    assert unmeasured.measured is None
