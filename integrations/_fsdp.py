@@ -45,23 +45,30 @@ NOTE [ The step's peak over a chain of units ]
     - forward and loss head, up to the gradient reaching the last unit: every unit holds what
       it saved, ``F + sum(held_i)``;
     - the units' backward, the last first: unit ``i`` runs while the units before it still
-      hold theirs and those after it have freed theirs but hold their reduced gradients
-      ``G_j`` (the shard of this rank), ``B + max_i(sum_{j<i} held_j + P_i + x_i +
-      sum_{j>i} G_j)``;
+      hold theirs, those after it have freed theirs but keep their reduced gradients ``G_j``
+      (this rank's shard), and the next unit's unsharded gradients ``U_{i+1}`` are still being
+      reduced: ``B + max_i(sum_{j<i} held_j + P_i + x_i + sum_{j>i} G_j + U_{i+1})``;
     - after the first unit (the embedding's backward): ``T``, whatever the units run.
     ``F``, ``B`` and ``T`` (the loss head, gathered parameters, FSDP's buffers) come from the
-    measured phases of the unmodified step, so the model predicts it exactly. On a 12-layer
-    Llama (2 gloo ranks) the step peaks in the loss head (38.0 MB, the units' backward 36.9
-    MB), and at 30% it moves to the second unit's backward, where 10 units' gradients are
-    held. Measured against predicted there: 10.62 against 10.38 MB; calibrated again on that
-    trial, 10.27 against 10.33 (at 50%: 17.29 against 17.25). The model it replaces, ``R +
-    sum(S_i) + max(P_i - S_i)`` with one ``R`` from the whole eager step, held every unit's
-    saved values at the largest unit's backward and missed the inputs and gradients: 17.58
-    predicted for 14.02 MB measured at 50%, so it checkpointed 9 of 12 units where 8 fit, and
-    at 30% it predicted 8.46 for 9.86 MB. What FSDP holds beyond the model on other steps
-    (the next unit's prefetched parameters, buffers gloo releases late: NOTE [ Buffers gloo's
-    workers release late ]) is what the trial step and its headroom are for. Without marks
-    (a step whose units' outputs need no gradient), the looser model is used.
+    unmodified step's measured phases, so the model predicts that step exactly. Each term was
+    read off the measured stretches between marks: on a 4-layer Llama (one rank) with three
+    units checkpointed, the last unit's backward measured what the model said and every other
+    one 0.79 MB more, a unit's unsharded gradients, until ``U_{i+1}`` was added. On a 12-layer
+    Llama (2 gloo ranks) the unmodified step peaks in the loss head (38.0 MB; the units'
+    backward 36.9 MB); at 30% the peak moves to the second unit's backward, where ten units'
+    gradients are kept. Predicted against measured: 17.25 against 17.29 MB at 50%, 11.76
+    against 11.59 at checkpoint_wrapper's peak; the 4-layer Llama at 50/60/70% of its step
+    4.7%/4.0% over and 0.1% under (the units' own schedules predict their peaks high), each
+    planned once where the first plan had missed before ``U`` was in. The model it replaces,
+    ``R + sum(S_i) + max(P_i - S_i)`` with one ``R`` from the whole eager step, held every
+    unit's saved values at the largest unit's backward and missed the inputs and gradients:
+    17.58 predicted for 14.02 MB measured at 50%, so it checkpointed 9 of 12 units where 8 fit.
+    A trial over the budget calibrates the model again on its own phases (also when nothing
+    seemed to fit: at 30% the lowest plan predicted 10.62 MB and measured 10.50, and the next
+    round found 0.272 of the step). What FSDP holds beyond the model on other steps (buffers
+    gloo releases late: NOTE [ Buffers gloo's workers release late ]) is what the trial and
+    its headroom are for. Without marks (a step whose units' outputs need no gradient), the
+    looser model is used.
 
 NOTE [ Checkpointing more units can be faster ]
     The fewest checkpointed units is not the fastest plan: to fit with fewer, every unit's own
@@ -362,14 +369,16 @@ class StepShare:
 
 def share_step_budget(probes: Sequence[RematModule], inputs: Sequence[int], eager_step_bytes: int,
                       budget_bytes: int, *, solver: str,
-                      phases: StepPhases | None = None, grads: Sequence[int] = (),
+                      phases: StepPhases | None = None,
+                      grads: Sequence[tuple[int, int]] = (),
                       model: StepModel | None = None) -> StepShare:
     """NOTE [ One step budget over FSDP units ]: the fewest checkpointed units and the largest
     fraction of each unit's eager step at which the whole step is predicted to fit
     ``budget_bytes``; ``probes`` and ``inputs`` (the bytes of each unit's input activations) in
     the order the units run. The step's peak is predicted by ``model``, or by the model
     calibrated on the unmodified step's ``phases`` (when measured) and the bytes of each unit's
-    gradients on this rank, ``grads`` (NOTE [ The step's peak over a chain of units ])."""
+    gradients (kept, being reduced) on this rank, ``grads`` (NOTE [ The step's peak over a
+    chain of units ])."""
     keys = [costs_key(p.graphs[0]) for p in probes]
     eager = tuple((p.plan.baseline_bytes + x, p.plan.saved_bytes + x)
                   for p, x in zip(probes, inputs))
@@ -476,23 +485,25 @@ class StepModel:
         backward_rest: What it holds beside the units while their backward peaks; without
             phases, beside every unit's saved values and the largest unit's extra.
         tail: The peak after the units' backward (the same whatever they run).
-        grads: The bytes of each unit's gradients on this rank (its shard's), which stay once
-            its backward has reduced them.
+        grads: Each unit's gradient bytes on this rank: ``(kept, reducing)``, its shard, which
+            stays once its backward has reduced it, and the whole unsharded gradients while
+            the reduce-scatter runs.
     """
 
     forward_rest: int | None
     backward_rest: int
     tail: int = 0
-    grads: tuple[int, ...] = ()
+    grads: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def calibrated(cls, eager: Sequence[tuple[int, int]], eager_step_bytes: int,
-                   phases: StepPhases | None, grads: Sequence[int] = ()) -> StepModel:
+                   phases: StepPhases | None,
+                   grads: Sequence[tuple[int, int]] = ()) -> StepModel:
         """The model whose prediction for the unmodified units' ``eager`` sizes is the measured
         step (each phase's peak, when measured)."""
         if phases is None:
             return cls(None, eager_step_bytes - _all_held(eager))
-        grads = tuple(grads) or (0,) * len(eager)
+        grads = tuple(grads) or ((0, 0),) * len(eager)
         return cls(phases.forward_bytes - sum(saved for _, saved in eager),
                    phases.backward_bytes - _in_order(eager, grads), phases.tail_bytes, grads)
 
@@ -511,14 +522,16 @@ def _all_held(units: Sequence[tuple[int, int]]) -> int:
     return sum(saved for _, saved in units) + max(peak - saved for peak, saved in units)
 
 
-def _in_order(units: Sequence[tuple[int, int]], grads: Sequence[int]) -> int:
-    """``max_i(sum(saved_j, j < i) + peak_i + sum(grads_j, j > i))``: a unit's backward runs
-    while the units before it still hold what they saved, and those after it have freed that
-    and hold their gradients."""
-    held, top, after = 0, 0, sum(grads)
-    for (peak, saved), grad in zip(units, grads, strict=True):
-        after -= grad
-        top = max(top, held + peak + after)
+def _in_order(units: Sequence[tuple[int, int]], grads: Sequence[tuple[int, int]]) -> int:
+    """``max_i(sum(held_j, j < i) + peak_i + sum(kept_j, j > i) + reducing_{i+1})``: a unit's
+    backward runs while the units before it still hold what they saved, those after it have
+    freed that and keep their gradients' shards, and the next one's unsharded gradients are
+    still being reduced."""
+    top, held, after = 0, 0, sum(kept for kept, _ in grads)
+    for i, ((peak, saved), (kept, _)) in enumerate(zip(units, grads, strict=True)):
+        after -= kept
+        reducing = grads[i + 1][1] if i + 1 < len(grads) else 0
+        top = max(top, held + peak + after + reducing)
         held += saved
     return top
 
@@ -638,11 +651,15 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         probes.append(seen[same])
     inputs = [_activation_bytes(call) for call in calls]
     grads = [_gradient_bytes(unit) for unit in units]
-    target, model, modules = budget_bytes - late_bytes, None, []
+    target, model, modules, tried = budget_bytes - late_bytes, None, [], None
     for rounds in range(1, _ROUNDS + 1):
         share = comm.broadcast(None if comm.rank else share_step_budget(
             probes, inputs, eager_step_bytes, target, solver=_SEARCH_SOLVER, phases=phases,
             grads=grads, model=model))
+        if (share.fraction, share.checkpointed) == tried:  # installed and measured already
+            rounds -= 1
+            break
+        tried = share.fraction, share.checkpointed
         modules = []
         for k, (unit, call, p) in enumerate(zip(units, calls, probes)):
             uninstall(unit)
@@ -657,11 +674,14 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
         # release late ])
         over = measured + late_bytes - budget_bytes
         worst = comm.all_max(over)
-        if worst <= 0 or not share.fits:
+        if worst <= 0:
             break
         # NOTE [ The step's peak over a chain of units ]: the model calibrated on this trial
-        # predicts what it measured; the ranks that missed by more than rank 0 lower its target
+        # predicts what it measured (when nothing seemed to fit, that may find a plan that
+        # does); the ranks that missed by more than rank 0 lower its target
         found = measuring.measured
+        if not comm.broadcast(None if comm.rank else share.fits or found is not None):
+            break
         if found is None:
             target, model = share.predicted_step_bytes - worst, share.model
         else:
@@ -678,10 +698,13 @@ def _activation_bytes(call: tuple[tuple, dict]) -> int:
     return sum(storages.values())
 
 
-def _gradient_bytes(unit: nn.Module) -> int:
-    """The bytes of ``unit``'s gradients on this rank: its parameters' local shards."""
-    local = [getattr(p, "_local_tensor", p) for p in unit.parameters() if p.requires_grad]
-    return sum(t.numel() * t.element_size() for t in local)
+def _gradient_bytes(unit: nn.Module) -> tuple[int, int]:
+    """The bytes of ``unit``'s gradients on this rank: its parameters' local shards, and the
+    whole parameters (a DTensor's shape is the whole tensor's)."""
+    trained = [p for p in unit.parameters() if p.requires_grad]
+    local = [getattr(p, "_local_tensor", p) for p in trained]
+    return (sum(t.numel() * t.element_size() for t in local),
+            sum(p.numel() * p.element_size() for p in trained))
 
 
 def _holds_cache(call: tuple[tuple, dict]) -> bool:

@@ -129,10 +129,11 @@ def test_every_fsdp2_unit_is_rematerialized_under_one_step_budget():
     assert out["checkpointed"] >= 1  # the units' own schedules do not reach half the step
     assert out["measured"] <= out["budget"]
     # NOTE [ The step's peak over a chain of units ]: the warmup step cut in three (the loss
-    # head peaks here), and the plans' step predicted within 5% (0.07% when written)
+    # head peaks here), and the plans' step predicted from 2% under to 8% over what it
+    # measured (4.7% over when written: the units' own schedules predict their peaks high)
     forward, units, tail = out["phases"]
     assert max(forward, units, tail) == out["warmup"] and tail < units < forward, out["phases"]
-    assert abs(out["predicted"] - out["measured"]) <= 0.05 * out["measured"], out
+    assert -0.02 <= out["predicted"] / out["measured"] - 1 <= 0.08, out
     eager = max(out["eager_peaks"])
     assert max(out["peaks"]) <= 0.5 * eager * 1.02, (out["peaks"], eager)
 
@@ -583,12 +584,12 @@ def test_the_step_model_orders_the_units_and_puts_the_loss_head_in_the_forward_p
     loose = StepModel.calibrated(eager, 300, None)
     assert loose.forward_rest is None and loose(eager) == 300
     assert loose([(100, 80), (100, 80), (60, 40)]) == 300 - 40
-    # a unit's reduced gradients (10 each) stay from its backward on: with the first two
-    # units holding little, the first unit's backward (two units' gradients held) peaks; the
-    # embedding's backward after the units (tail 120) sets a floor
-    graded = StepModel.calibrated(eager, 300, StepPhases(290, 300, tail_bytes=120), (10,) * 3)
+    # a unit's gradients: 10 kept (its shard) from its backward on, 30 (unsharded) while the
+    # unit before it runs its backward; with the first two units holding little, the first
+    # unit's backward peaks; the embedding's backward after the units (tail 120) sets a floor
+    graded = StepModel.calibrated(eager, 300, StepPhases(290, 300, tail_bytes=120), ((10, 30),) * 3)
     assert graded.backward_rest == 40 and graded(eager) == 300
-    assert graded([(100, 0), (100, 0), (100, 80)]) == max(50 + 80, 40 + 100 + 20, 120)
+    assert graded([(100, 0), (100, 0), (100, 80)]) == max(50 + 80, 40 + 100 + 20 + 30, 120)
     assert graded([(10, 0), (10, 0), (10, 0)]) == 120
 
 
