@@ -19,8 +19,9 @@ steps (SGD, lr 0.1) on batches of its own rank (``input_ids`` (4, 64), seeds ``1
 * ``fsdp2 + checkpoint_wrapper(units)`` — every decoder layer wrapped in
   ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (non-reentrant) before
   ``fully_shard``, as torchtitan does: full activation checkpointing per unit;
-* ``fsdp2 + compile(units, budget=B)`` — every decoder layer ``layer.compile(backend="aot_eager")``
-  before ``fully_shard``, with ``torch._functorch.config.activation_memory_budget = B``;
+* ``fsdp2 + compile(units, budget=B)`` — every decoder layer
+  ``layer.compile(backend="aot_eager")`` before ``fully_shard``, with
+  ``torch._functorch.config.activation_memory_budget = B``;
 * ``ours B%``                        — ``integrations._fsdp.rematerialize_fsdp2`` (what the
   Lightning callback and the Accelerate plugin run) with ``budget="B%"`` of the whole step;
 * ``ours at checkpoint_wrapper's peak`` (``--budgets ckpt``) — the same with a byte budget that

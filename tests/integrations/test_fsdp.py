@@ -27,7 +27,7 @@ SCENARIO = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     import transformers
     import remat
-    from integrations import _fsdp
+    from integrations import _fsdp, _fsdp_peak
     from integrations._remat_shared import Target
     from integrations._warmup import preserved_state, record_first_calls
 
@@ -69,7 +69,7 @@ SCENARIO = textwrap.dedent("""
     roots, units = _fsdp.fsdp_units(model)
     targets = [Target(name, None, "", unit, False) for name, unit in units]
     with preserved_state(model), record_first_calls(targets) as calls, \\
-            _fsdp.step_phases([u for _, u in units]) as phases, remat.track_memory() as warmup:
+            _fsdp_peak.step_phases([u for _, u in units]) as phases, remat.track_memory() as warmup:
         loss_of(model).backward()
 
     def trial():
@@ -570,7 +570,7 @@ def test_the_step_model_orders_the_units_and_puts_the_loss_head_in_the_forward_p
     """NOTE [ The step's peak over a chain of units ]: calibrated on the unmodified units, each
     phase predicts its measured peak; a unit's backward sees only the units before it holding
     what they saved, and the loss head sees all of them."""
-    from integrations._fsdp import StepModel, StepPhases
+    from integrations._fsdp_peak import StepModel, StepPhases
 
     eager = [(100, 80), (100, 80), (100, 80)]  # (peak, saved) of each unit, in forward order
     # backward: the last unit runs while the first two hold 160: 160 + 100 + rest 40
@@ -601,7 +601,7 @@ def test_the_phases_split_the_measured_step_where_the_units_backward_starts():
     from torch import nn
 
     import remat
-    from integrations._fsdp import step_phases
+    from integrations._fsdp_peak import step_phases
 
     torch.manual_seed(0)
     units = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)]
