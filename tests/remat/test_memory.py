@@ -31,6 +31,27 @@ def test_marks_read_the_live_bytes_at_each_point_and_cost_nothing():
         mem.mark()
 
 
+def test_marks_cut_the_block_into_stretches_with_their_own_peaks():
+    """``peaks``: the peak before the first mark, between marks, after the last; a hook that
+    does not hold the tracker marks the innermost open block through ``open_tracker``."""
+    from remat.memory import open_tracker
+
+    assert open_tracker() is None
+    with remat.track_memory() as mem:
+        a = torch.ones(1024, 1024)  # 4 MiB
+        b = torch.ones(256, 1024)  # +1 MiB: 5 MiB before the first mark
+        del b
+        assert open_tracker() is mem and open_tracker().mark() == 0
+        c = torch.ones(512, 1024)  # 6 MiB
+        del c, a
+        assert mem.mark() == 1
+        d = torch.ones(256, 1024)  # 1 MiB after the last mark
+    assert open_tracker() is None
+    assert mem.marks == [4 * 2**20, 0]
+    assert mem.peaks == [5 * 2**20, 6 * 2**20, 1 * 2**20]
+    assert max(mem.peaks) == mem.peak_bytes and d.numel() == 256 * 1024
+
+
 def test_frees_of_older_storages_do_not_count():
     old = torch.ones(1024, 1024)
     with remat.track_memory() as mem:
