@@ -502,16 +502,17 @@ def report(rows: list[Row], budgets: list[str]) -> str:
 
 
 def _budget(text: str) -> str:
+    """A percent of the step (checked as ``budget=`` checks it) or ``ckpt``."""
     if text == CKPT:
         return text
+    from remat.budget import parse_budget
+
+    percent = text.rstrip("%")
     try:
-        percent = float(text.rstrip("%"))
-    except ValueError:
-        percent = math.nan
-    if not 0 < percent <= 100:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a percent of the step in (0, 100], e.g. 50, or {CKPT!r}")
-    return f"{percent:g}"
+        parse_budget(f"{percent}%")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or {CKPT!r}: checkpoint_wrapper's peak)")
+    return f"{float(percent):g}"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

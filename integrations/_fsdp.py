@@ -170,8 +170,9 @@ def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
             peak could not be measured.
     """
     units = units_to_plan(root)
+    modules = [unit for _, unit in units]
     targets = [Target(name, None, "", unit, False) for name, unit in units]
-    with record_first_calls(targets) as recorded, step_phases([u for _, u in units]) as phases:
+    with record_first_calls(targets) as recorded, step_phases(modules) as phases:
         eager = step(True)
     calls = dict(recorded)
     missing = [t.name for t in targets if t.name not in calls]
@@ -193,7 +194,7 @@ def rematerialize_fsdp2(root: nn.Module, step: Callable[[bool], int | None],
          f"{format_bytes(budget)} ({settings.budget} of the warmup step's "
          f"{format_bytes(eager)}) ...")
     try:
-        planned = plan_units([u for _, u in units], [calls[n] for n, _ in units], eager, budget,
+        planned = plan_units(modules, [calls[n] for n, _ in units], eager, budget,
                              solver=settings.solver, time_limit=settings.time_limit,
                              cache=cache, trial=lambda: step(False) or 0, comm=comm,
                              late_bytes=late_release_bytes(root), phases=phases.measured)
@@ -471,9 +472,8 @@ def plan_units(units: Sequence[nn.Module], calls: Sequence[tuple[tuple, dict]],
             the same number of times on every rank).
         late_bytes: Headroom the trial step must leave under the budget (NOTE [ Buffers
             gloo's workers release late ]).
-        phases: The unmodified step's peaks before and after the units' backward starts
-            (:func:`step_phases`; ``None``: a looser model, NOTE [ The step's peak over a
-            chain of units ]).
+        phases: The unmodified step's peak in each phase (:func:`step_phases`; ``None``: a
+            looser model, NOTE [ The step's peak over a chain of units ]).
     """
     comm = comm or Collectives()
     probes, seen = [], {}

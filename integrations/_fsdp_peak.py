@@ -54,12 +54,12 @@ __all__ = ["StepModel", "StepPhases", "activation_bytes", "gradient_bytes", "ste
 
 @dataclasses.dataclass(frozen=True)
 class StepPhases:
-    """The unmodified step's measured peak on either side of the moment the units' backward
-    starts (the gradient reaches the last unit's output).
+    """The unmodified step's measured peak in each of its three phases, cut where the gradient
+    reaches the last unit's output and where it reaches the first unit's input.
 
     Attributes:
-        forward_bytes: The peak up to then: the units' forwards and the loss head, while every
-            unit holds what it saved.
+        forward_bytes: The peak up to the first cut: the units' forwards and the loss head,
+            while every unit holds what it saved.
         backward_bytes: The peak from then until the gradient reaches the first unit's input:
             the units' backwards, the last unit first.
         tail_bytes: The peak after (the layers before the first unit, their gradients).

@@ -120,13 +120,11 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
         start = tracker._start = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         tracker._cuda_device = dev
-        _CUDA_TRACKERS.append((dev, tracker))
         _OPEN.append(tracker)
         try:
             yield tracker
         finally:
             _OPEN.remove(tracker)
-            _CUDA_TRACKERS.remove((dev, tracker))
             torch.cuda.synchronize(dev)
             tracker.peaks.append(tracker._cuda_stretch_peak(dev))
             peak = max(torch.cuda.max_memory_allocated(dev), tracker._cuda_floor)
@@ -193,9 +191,7 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryTracker]:
             tracker._done = True
 
 
-# CUDA trackers open now, innermost last: see :func:`reset_cuda_peak`.
-_CUDA_TRACKERS: list[tuple[torch.device, MemoryTracker]] = []
-# Every tracker open now, innermost last: see :func:`open_tracker`.
+# Every tracker open now, innermost last: see :func:`open_tracker` and :func:`reset_cuda_peak`.
 _OPEN: list[MemoryTracker] = []
 
 
@@ -207,8 +203,8 @@ def reset_cuda_peak(device: torch.device) -> None:
     peak so far is kept as each open tracker's floor first.
     """
     peak = torch.cuda.max_memory_allocated(device)
-    for dev, tracker in _CUDA_TRACKERS:
-        if dev == device:
+    for tracker in _OPEN:
+        if tracker._cuda_device == device:
             tracker._cuda_floor = max(tracker._cuda_floor, peak)
             tracker._cuda_stretch_floor = max(tracker._cuda_stretch_floor, peak)
     torch.cuda.reset_peak_memory_stats(device)
